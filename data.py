@@ -1,0 +1,403 @@
+"""Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text corpus.
+
+prepare_data() does the slow, disk-writing work once (on global rank 0): train a SentencePiece tokenizer,
+tokenize the corpus into flat uint16/uint32 token files and write a manifest. load_data() (every rank) only
+reads: it memory-maps those files and serves batches addressed by (step, slice of the global batch), so the
+order is a pure function of the seed and resume/any world size see exactly the same samples.
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+
+
+class DataError(ValueError):
+    """Bad user input; the message is one line naming the bad value and what is valid."""
+
+
+def opt(default, help, choices=None):
+    """A config field whose help text (and allowed values) become the command-line flag's."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("synthetic", "'synthetic' (built-in task), a .txt file, a directory of .txt files or a .jsonl "
+                       "file with a \"text\" field")
+    val_path: str = opt("", "separate validation corpus (same kinds); empty = hold out --val-fraction of the tokens")
+    val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no --val-path), in (0, 0.5]")
+    tokenizer: str = opt("", "existing SentencePiece .model to use; empty = train one on the corpus")
+    tokenizer_type: str = opt("bpe", "kind of tokenizer to train", ["bpe", "unigram", "char"])
+    tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound for char)")
+    seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 for text)")
+    cache_dir: str = opt("data_cache", "directory for trained tokenizers and tokenized .bin files")
+    synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
+    synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
+
+
+TOKENIZER_TYPES = ("bpe", "unigram", "char")
+TEXT_SEQ_LEN = 512
+FORMAT_VERSION = 1  # bump when the cache layout changes so old caches read as stale
+HASH_LIMIT = 64 << 20  # hash files up to this size; bigger ones are trusted on size + mtime to keep checks fast
+ENCODE_LINES = 8192  # lines per sp.encode call: bounds memory on huge files without losing the threads' speed-up
+THREADS = min(16, os.cpu_count() or 1)
+
+# The synthetic task (Fleuret, "The Free Transformer", section 4). A sample is "\n", a letter, ">" and 64
+# characters: underscores with the letter repeated 8 times at a random place, each position then turned
+# into "!" with probability 1/16. Predicting the block well needs an early latent decision of where it goes.
+SYNTH_CHARS = "\n>!_" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+SYNTH_VOCAB = 32  # 30 symbols padded to a multiple of 8 for the embedding/logits matmuls
+SYNTH_BODY, SYNTH_BLOCK, SYNTH_NOISE = 64, 8, 1 / 16
+SYNTH_ROW = 3 + SYNTH_BODY  # "\n" + letter + ">" + body = 67 tokens -> seq_len 66
+SYNTH_VAL_SEED = (12345, 54321)  # fixed and independent of --seed, so every run validates on the same set
+NEWLINE, PROMPT_END, NOISE, BLANK, LETTER_A = range(5)
+
+
+def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
+    """n synthetic samples as an (n, 67) uint8 array of token ids, generated without a Python loop."""
+    letters = (LETTER_A + rng.integers(0, 26, n)).astype(np.uint8)
+    starts = rng.integers(0, SYNTH_BODY - SYNTH_BLOCK + 1, n)
+    body = np.full((n, SYNTH_BODY), BLANK, np.uint8)
+    body[np.arange(n)[:, None], starts[:, None] + np.arange(SYNTH_BLOCK)] = letters[:, None]
+    body[rng.random((n, SYNTH_BODY)) < SYNTH_NOISE] = NOISE
+    rows = np.empty((n, SYNTH_ROW), np.uint8)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3:] = NEWLINE, letters, PROMPT_END, body
+    return rows
+
+
+class Dataset:
+    """Rows of seq_len + 1 tokens cut from a flat token array at a fixed stride, plus the tokenizer.
+
+    Text rows start every seq_len tokens, so neighbours share one boundary token (nanoGPT's x/y);
+    synthetic samples are independent, so their stride is the whole row.
+    """
+
+    def __init__(self, train, val, seq_len, stride, vocab_size, seed, sp=None, tokenizer_path=""):
+        self.train_tokens, self.val_tokens = train, val
+        self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
+        self.sp, self.tokenizer_path = sp, tokenizer_path
+        self.n_train = (len(train) - seq_len - 1) // stride + 1
+        self.n_val = (len(val) - seq_len - 1) // stride + 1
+        self._perm_epoch, self._perm = -1, None
+
+    def epoch_permutation(self, epoch: int) -> np.ndarray:
+        # Only the current epoch's order is kept: uint32 is 4 bytes a row even for billions of rows.
+        if epoch != self._perm_epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
+            self._perm = perm.astype(np.uint32 if self.n_train <= 2**32 else np.int64)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def train_batch(self, step: int, global_batch: int, start: int, count: int):
+        """Rows [start, start+count) of training step `step`'s global batch, as int64 (x, y)."""
+        if start < 0 or count < 0 or start + count > global_batch:
+            raise ValueError(f"slice [{start}, {start + count}) is outside the global batch of {global_batch}")
+        k = step * global_batch + start + np.arange(count, dtype=np.int64)
+        epochs, positions = np.divmod(k, self.n_train)
+        rows = np.empty(count, np.int64)
+        for epoch in np.unique(epochs):  # a batch may straddle an epoch boundary
+            hit = epochs == epoch
+            rows[hit] = self.epoch_permutation(int(epoch))[positions[hit]]
+        return self.rows_to_xy(self.train_tokens, rows)
+
+    def val_batch(self, start: int, count: int):
+        """Fixed validation rows [start, start+count), clipped at n_val."""
+        return self.rows_to_xy(self.val_tokens, np.arange(start, min(start + count, self.n_val), dtype=np.int64))
+
+    def rows_to_xy(self, tokens, rows: np.ndarray):
+        # Fancy indexing a memmap reads only the touched pages, never the whole file.
+        block = tokens[rows[:, None] * self.stride + np.arange(self.seq_len + 1)]
+        x = np.ascontiguousarray(block[:, :-1], dtype=np.int64)
+        y = np.ascontiguousarray(block[:, 1:], dtype=np.int64)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def steps_per_epoch(self, global_batch: int) -> int:
+        return -(-self.n_train // global_batch)
+
+    def encode(self, text: str) -> list[int]:
+        if self.sp is not None:
+            return self.sp.encode(text)
+        bad = sorted(set(text) - set(SYNTH_CHARS))
+        if bad:
+            raise DataError(f"characters {bad} are not in the synthetic vocabulary; valid: {SYNTH_CHARS!r}")
+        return [SYNTH_CHARS.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.sp is not None:
+            return self.sp.decode(ids)
+        return "".join(SYNTH_CHARS[i] if i < len(SYNTH_CHARS) else "?" for i in ids)  # "?" marks padding ids
+
+
+def check_config(cfg: DataConfig) -> None:
+    if cfg.tokenizer_type not in TOKENIZER_TYPES:
+        raise DataError(f"--tokenizer-type {cfg.tokenizer_type}: unknown; use one of {', '.join(TOKENIZER_TYPES)}")
+    if not 0 < cfg.val_fraction <= 0.5:
+        raise DataError(f"--val-fraction {cfg.val_fraction}: must be in (0, 0.5]")
+    if cfg.seq_len < 0:
+        raise DataError(f"--seq-len {cfg.seq_len}: must be at least 1, or 0 for the dataset's own")
+    if cfg.dataset == "synthetic":
+        n = SYNTH_ROW - 1
+        if cfg.seq_len not in (0, n):
+            raise DataError(f"--seq-len {cfg.seq_len}: the synthetic task's rows are {n} tokens; use 0 or {n}")
+        if min(cfg.synthetic_train_samples, cfg.synthetic_val_samples) < 1:
+            raise DataError(f"--synthetic-train-samples {cfg.synthetic_train_samples} / --synthetic-val-samples "
+                            f"{cfg.synthetic_val_samples}: both must be at least 1")
+
+
+def list_sources(path: str, flag: str) -> list[Path]:
+    """The text files behind a --dataset/--val-path value, in a stable order."""
+    kinds = ("'synthetic', " if flag == "--dataset" else "") + "a .txt file, a directory of .txt files or a .jsonl file"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{flag} {path}: no such file or directory; use {kinds}")
+    if p.is_dir():
+        files = sorted(f.resolve() for f in p.rglob("*.txt") if f.is_file())
+        if not files:
+            raise DataError(f"{flag} {path}: directory contains no .txt files; use {kinds}")
+        return files
+    if p.suffix not in (".txt", ".jsonl"):
+        raise DataError(f"{flag} {path}: unsupported file extension '{p.suffix}'; use {kinds}")
+    return [p.resolve()]
+
+
+def read_documents(path: Path):
+    """Yield each document of a source file as an iterable of lines that keep their line endings."""
+    # errors="replace": one bad byte in a large scraped file should not abort hours of tokenizing.
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if path.suffix != ".jsonl":
+            yield f  # a .txt file is one document, streamed line by line
+            return
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line).get("text")
+            except (json.JSONDecodeError, AttributeError):
+                text = None
+            if not isinstance(text, str):
+                raise DataError(f'{path} line {lineno}: not a JSON object with a "text" string; every line needs one')
+            yield text.splitlines(keepends=True)
+
+
+def has_text(paths: list[Path]) -> bool:
+    return any(line.strip() for path in paths for doc in read_documents(path) for line in doc)
+
+
+def fingerprint(path: Path) -> dict:
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def content_hashes(paths: list[Path]) -> dict:
+    """sha256 of each file up to HASH_LIMIT: catches edits that keep size and mtime (cp -p, quick rewrites)."""
+    hashes = {}
+    for path in paths:
+        if path.stat().st_size <= HASH_LIMIT:
+            with open(path, "rb") as f:
+                hashes[str(path)] = hashlib.file_digest(f, "sha256").hexdigest()
+    return hashes
+
+
+def resolve_inputs(cfg: DataConfig):
+    """Source files, validation files and the given tokenizer (or None), plus their fingerprints."""
+    train = list_sources(cfg.dataset, "--dataset")
+    val = list_sources(cfg.val_path, "--val-path") if cfg.val_path else []
+    model = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
+    if model and not model.is_file():
+        raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model or leave it empty")
+    inputs = {"train": [fingerprint(p) for p in train], "val": [fingerprint(p) for p in val],
+              "tokenizer": fingerprint(model) if model else None}
+    return train, val, model, inputs
+
+
+def absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve()) if path else ""
+
+
+def cache_dir_for(cfg: DataConfig) -> Path:
+    # Keyed on the settings, not on file contents, so an edited corpus rebuilds in place (the manifest
+    # catches the change) instead of leaving an orphaned cache behind.
+    key = {"format": FORMAT_VERSION, "dataset": absolute(cfg.dataset), "val_path": absolute(cfg.val_path),
+           "val_fraction": None if cfg.val_path else cfg.val_fraction,
+           "tokenizer": absolute(cfg.tokenizer) or [cfg.tokenizer_type, cfg.tokenizer_vocab_size]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cfg.cache_dir) / f"{Path(cfg.dataset).stem}-{digest}"
+
+
+def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
+    """The cache's manifest if it was built from exactly these inputs and its files are complete, else None."""
+    # load_data passes no hashes: rank 0 has just checked them in prepare_data; hashing on every rank is slow.
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("inputs") != inputs:
+        return None
+    if hashes is not None and manifest.get("sha256") != hashes:
+        return None
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for name in ("train", "val"):
+        f = out / f"{name}.bin"
+        if not f.is_file() or f.stat().st_size != manifest[f"{name}_tokens"] * itemsize:
+            return None
+    return manifest if Path(manifest["tokenizer_path"]).is_file() else None
+
+
+def training_sentences(paths: list[Path]):
+    for path in paths:
+        for doc in read_documents(path):
+            for line in doc:
+                line = line.rstrip("\r\n")
+                if line.strip():
+                    yield line
+
+
+def train_tokenizer(cfg: DataConfig, paths: list[Path], out: Path) -> Path:
+    print(f"data: training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} tokens) on {len(paths)} files")
+    errors = []  # sentencepiece turns exceptions from the iterator into a generic RuntimeError; keep ours
+
+    def sentences():
+        try:
+            yield from training_sentences(paths)
+        except DataError as e:
+            errors.append(e)
+            raise
+
+    char = cfg.tokenizer_type == "char"
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(), model_prefix=str(out / "tokenizer"),
+            model_type=cfg.tokenizer_type, vocab_size=cfg.tokenizer_vocab_size,
+            hard_vocab_limit=not char,  # a char vocabulary is the corpus's alphabet; the size only caps it
+            byte_fallback=not char,  # unseen characters become UTF-8 byte tokens instead of <unk>
+            character_coverage=1.0 if char else 0.9995,
+            # Identity normalization, kept whitespace, no dummy prefix and "\n" as a piece make
+            # decode(encode(text)) == text, and make encoding line by line equal to encoding the whole text.
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            user_defined_symbols=["\n"],
+            input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=16384,
+            num_threads=THREADS, minloglevel=2)
+    except RuntimeError as e:
+        if errors:
+            raise errors[0] from None
+        raise DataError(tokenizer_error(cfg, str(e))) from None
+    return out / "tokenizer.model"
+
+
+def tokenizer_error(cfg: DataConfig, message: str) -> str:
+    flags = f"--tokenizer-vocab-size {cfg.tokenizer_vocab_size} with --tokenizer-type {cfg.tokenizer_type}"
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return f"{flags} is too large for this corpus; use --tokenizer-vocab-size <= {m[1]} or a larger corpus"
+    if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        return f"{flags} is too small for this corpus's characters; use --tokenizer-vocab-size >= {m[1]}"
+    return f"{flags}: sentencepiece could not train a tokenizer: {message.splitlines()[0].rsplit('] ', 1)[-1]}"
+
+
+def batched(iterable, n: int):
+    it = iter(iterable)
+    return iter(lambda: list(islice(it, n)), [])
+
+
+def token_chunks(sp: spm.SentencePieceProcessor, paths: list[Path]):
+    """Token ids of the documents in `paths` as a stream of arrays, documents separated by EOS."""
+    separator = np.array([sp.eos_id()] if sp.eos_id() >= 0 else sp.encode("\n"), np.int64)
+    first = True
+    for path in paths:
+        for doc in read_documents(path):
+            if not first:
+                yield separator
+            first = False
+            for batch in batched(doc, ENCODE_LINES):
+                yield np.fromiter(chain.from_iterable(sp.encode(batch, num_threads=THREADS)), np.int64)
+
+
+def write_tokens(sp, paths: list[Path], dest: Path, dtype) -> int:
+    n = 0
+    with open(dest, "wb") as f:
+        for chunk in token_chunks(sp, paths):
+            chunk.astype(dtype).tofile(f)
+            n += len(chunk)
+    return n
+
+
+def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
+    """Move the last n_tail tokens of src into dest, truncating src in place (no second full copy on disk)."""
+    tokens = np.memmap(src, dtype=dtype, mode="r", shape=(n_total,))
+    with open(dest, "wb") as f:
+        for i in range(n_total - n_tail, n_total, 1 << 24):
+            np.asarray(tokens[i:min(i + (1 << 24), n_total)]).tofile(f)
+    del tokens
+    os.truncate(src, (n_total - n_tail) * np.dtype(dtype).itemsize)
+
+
+def prepare_data(cfg: DataConfig) -> None:
+    """Build the token cache for cfg (rank 0 only). A no-op for synthetic data and for an up-to-date cache."""
+    check_config(cfg)
+    if cfg.dataset == "synthetic":
+        return
+    train_paths, val_paths, model, inputs = resolve_inputs(cfg)
+    out = cache_dir_for(cfg)
+    hashes = content_hashes(train_paths + val_paths + ([model] if model else []))
+    if valid_manifest(out, inputs, hashes):
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # the cache reads as invalid until it is fully rebuilt
+    for flag, value, paths in (("--dataset", cfg.dataset, train_paths), ("--val-path", cfg.val_path, val_paths)):
+        if paths and not has_text(paths):
+            raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with text in them")
+    model = model or train_tokenizer(cfg, train_paths, out)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    dtype = np.uint16 if sp.vocab_size() < 2**16 else np.uint32
+    print(f"data: tokenizing {len(train_paths) + len(val_paths)} files into {out}")
+    train_tmp, val_tmp = out / "train.bin.tmp", out / "val.bin.tmp"
+    n_train = write_tokens(sp, train_paths, train_tmp, dtype)
+    if val_paths:
+        n_val = write_tokens(sp, val_paths, val_tmp, dtype)
+    else:
+        n_val = min(n_train, max(1, math.ceil(n_train * cfg.val_fraction)))
+        split_tail(train_tmp, val_tmp, dtype, n_train, n_val)
+        n_train -= n_val
+    # Renamed into place only when complete, and the manifest last, so a killed run never looks valid.
+    os.replace(train_tmp, out / "train.bin")
+    os.replace(val_tmp, out / "val.bin")
+    settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
+    manifest = {"format": FORMAT_VERSION, "inputs": inputs, "sha256": hashes, "tokenizer": settings,
+                "tokenizer_path": str(model), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
+                "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction}
+    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
+    os.replace(out / "manifest.json.tmp", out / "manifest.json")
+
+
+def load_data(cfg: DataConfig, seed: int) -> Dataset:
+    """The dataset for cfg, read-only; for text, prepare_data must have built the cache first."""
+    check_config(cfg)
+    if cfg.dataset == "synthetic":
+        train = synthetic_rows(cfg.synthetic_train_samples, np.random.default_rng(seed))
+        val = synthetic_rows(cfg.synthetic_val_samples, np.random.default_rng(SYNTH_VAL_SEED))
+        return Dataset(train.reshape(-1), val.reshape(-1), SYNTH_ROW - 1, SYNTH_ROW, SYNTH_VOCAB, seed)
+    _, val_paths, _, inputs = resolve_inputs(cfg)
+    out = cache_dir_for(cfg)
+    manifest = valid_manifest(out, inputs)
+    if manifest is None:
+        raise DataError(f"--dataset {cfg.dataset}: no valid token cache in {out} (missing, or the corpus or "
+                        "tokenizer changed); run prepare_data first")
+    seq_len = cfg.seq_len or TEXT_SEQ_LEN
+    more_val = "a larger --val-path corpus" if val_paths else "a larger --val-fraction"
+    splits = {"training": (manifest["train_tokens"], "a larger corpus"), "validation": (manifest["val_tokens"], more_val)}
+    for name, (n, remedy) in splits.items():
+        if n < seq_len + 1:
+            raise DataError(f"{name} split has {n} tokens, fewer than --seq-len {seq_len} + 1; "
+                            f"use a smaller --seq-len or {remedy}")
+    train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
+    sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
+    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, sp, manifest["tokenizer_path"])

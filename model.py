@@ -1,0 +1,387 @@
+"""A small, modern decoder-only Transformer and the Free Transformer (Fleuret 2025).
+
+Transformer:      embedding -> L x DecoderBlock (pre-norm RMSNorm, RoPE attention through SDPA,
+                  SwiGLU MLP) -> final RMSNorm -> LM head.
+FreeTransformer:  the same decoder, split in two halves. Between them a non-causal encoder
+                  block (learned constant queries, keys/values from the middle stream) reads
+                  out H bit-logits per token; a Binary Mapper samples a one-hot code over 2^H
+                  values with a straight-through gradient; a post-sampler weight (2^H x D)
+                  turns the code into a vector R that is added to the key/value input of the
+                  first block of the second half only.
+
+DecoderBlock is the unit that FSDP wraps and activation checkpointing recomputes.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    arch: str = field(default="free", metadata={"help": "free (Free Transformer) | baseline (plain decoder)"})
+    size: str = field(default="", metadata={"help": "named size preset: " + ", ".join(
+        ["tiny", "small", "125m", "350m", "1b", "1.5b", "8b"]) + "; empty = use the fields below"})
+    n_layer: int = field(default=4, metadata={"help": "decoder blocks (even for the Free Transformer)"})
+    d_model: int = field(default=128, metadata={"help": "model width D"})
+    n_head: int = field(default=4, metadata={"help": "attention heads"})
+    n_kv_head: int = field(default=0, metadata={"help": "key/value heads for grouped-query attention; 0 = n_head"})
+    ffn_hidden: int = field(default=0, metadata={"help": "SwiGLU hidden size; 0 = 8/3 * d_model rounded up to 64"})
+    vocab_size: int = field(default=0, metadata={"help": "vocabulary size; 0 = taken from the data"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
+    dropout: float = field(default=0.0, metadata={"help": "attention and residual dropout"})
+    tie_embeddings: bool = field(default=False, metadata={"help": "share the token embedding with the LM head"})
+    init_std: float = field(default=0.02, metadata={"help": "std of the normal init; residual outputs get std/sqrt(2L)"})
+    latent_bits: int = field(default=16, metadata={"help": "H: bits of the Free Transformer's latent (2^H codes)"})
+    kappa: float = field(default=math.log(2) / 2, metadata={"help": "free bits per token, in nats (log(2)/2 = half a bit)"})
+    mapper_chunk: int = field(default=4096, metadata={"help": "tokens per chunk in the Binary Mapper's backward"})
+
+
+# Width, depth, heads, kv heads. 1.5b and 8b follow the paper's shapes (Llama-like);
+# tiny is for tests and CPU runs.
+SIZE_PRESETS = {
+    "tiny": dict(n_layer=4, d_model=128, n_head=4, n_kv_head=0),
+    "small": dict(n_layer=6, d_model=384, n_head=6, n_kv_head=0),
+    "125m": dict(n_layer=12, d_model=768, n_head=12, n_kv_head=0),
+    "350m": dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=0),
+    "1b": dict(n_layer=16, d_model=2048, n_head=16, n_kv_head=8),
+    "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8),
+    "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, rope_theta=500000.0),
+}
+
+
+def resolve_model_config(cfg):
+    """Check the fields and fill the derived ones; raises ValueError with one line."""
+    if cfg.arch not in ("free", "baseline"):
+        raise ValueError(f"--arch {cfg.arch!r}: valid values are free, baseline")
+    if cfg.n_kv_head == 0:
+        cfg.n_kv_head = cfg.n_head
+    if cfg.ffn_hidden == 0:
+        cfg.ffn_hidden = 64 * math.ceil(8 * cfg.d_model / 3 / 64)
+    if cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2:
+        raise ValueError(f"--d-model {cfg.d_model} must be a multiple of --n-head {cfg.n_head} with an even head size")
+    if cfg.n_head % cfg.n_kv_head:
+        raise ValueError(f"--n-kv-head {cfg.n_kv_head} must divide --n-head {cfg.n_head}")
+    if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
+        raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of blocks >= 2")
+    if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
+        raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32 whatever the compute dtype: bf16 sums of squares lose precision.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def rope_cos_sin(seq_len, head_dim, theta, device, offset=0):
+    """Rotary tables in fp32, computed on the fly.
+
+    They are not registered buffers on purpose: FSDP's MixedPrecision(buffer_dtype=bf16) would
+    cast a buffer to bf16, and bf16 positions lose precision past a few hundred tokens.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, n_head, T, head_dim); rotate pairs (first half, second half) in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+        self.wo.residual_out = True
+        self.dropout = cfg.dropout
+
+    def forward(self, q_in, kv_in, cos, sin, causal):
+        B, T, _ = q_in.shape
+        S = kv_in.shape[1]
+        q = self.wq(q_in).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_head != self.n_head:
+            rep = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # SDPA picks the flash / memory-efficient kernel on GPU.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w2.residual_out = True
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal block. `kv_extra` (the Free Transformer's R) is added only to the
+    stream that produces keys and values; queries and the residual keep x."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, kv_extra=None):
+        h = self.attn_norm(x)
+        kv = h if kv_extra is None else self.attn_norm(x + kv_extra)
+        x = x + self.drop(self.attn(h, kv, cos, sin, causal=True))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class EncoderBlock(nn.Module):
+    """The Free Transformer's encoder: one non-causal block whose queries are a learned
+    constant ζ at every position and whose keys/values come from the middle stream, then a
+    linear readout to H bit-logits per token. RoPE on both queries and keys makes the
+    attention pattern depend on the query's position, so each position gets its own logits
+    even though every query starts from the same ζ."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.zeta = nn.Parameter(torch.zeros(cfg.d_model))
+        self.q_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.readout = nn.Linear(cfg.d_model, cfg.latent_bits, bias=False)
+
+    def forward(self, x, cos, sin):
+        zeta = self.zeta.to(x.dtype).expand_as(x)
+        h = zeta + self.attn(self.q_norm(zeta), self.kv_norm(x), cos, sin, causal=False)
+        h = h + self.mlp(self.mlp_norm(h))
+        return self.readout(self.out_norm(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# Binary Mapper
+
+
+def code_bits(n_bits, device):
+    """(2^H, H) float matrix: row d holds the bits of code d (bit h = (d >> h) & 1)."""
+    codes = torch.arange(2 ** n_bits, device=device)
+    return ((codes[:, None] >> torch.arange(n_bits, device=device)) & 1).float()
+
+
+def code_probs(z_logits, bits):
+    """G[n, d] = prod_h P(B_h = bit_h(d)) for every code d, in fp32 through log-sigmoids:
+    the entries are about 2^-H and underflow in fp16."""
+    lf = z_logits.float()
+    log_p1, log_p0 = F.logsigmoid(lf), F.logsigmoid(-lf)
+    return torch.exp(log_p0.sum(-1, keepdim=True) + (log_p1 - log_p0) @ bits.T)
+
+
+class _BinaryMapperST(torch.autograd.Function):
+    """R = W[d] in the forward (a row lookup: the mapper's value is one-hot), and the
+    straight-through gradient of Y + G - sg(G) in the backward, where the bit-logit gradient
+    is sum_d (dR . W[d]) * G[d] * (bit_h(d) - p_h). The backward works in token chunks so the
+    dense (tokens, 2^H) G is never held for more than `chunk` tokens."""
+
+    @staticmethod
+    def forward(ctx, z_logits, codes, weight, chunk):
+        ctx.save_for_backward(z_logits, codes, weight)
+        ctx.chunk = chunk
+        return F.embedding(codes, weight)
+
+    @staticmethod
+    def backward(ctx, grad_r):
+        z_logits, codes, weight = ctx.saved_tensors
+        n_bits = z_logits.shape[-1]
+        flat_logits = z_logits.reshape(-1, n_bits)
+        flat_grad = grad_r.reshape(-1, grad_r.shape[-1])
+        grad_logits = torch.empty(flat_logits.shape, dtype=torch.float32, device=z_logits.device)
+        bits = code_bits(n_bits, z_logits.device)
+        for s in range(0, flat_logits.shape[0], ctx.chunk):
+            lg = flat_logits[s:s + ctx.chunk]
+            # dM = dR @ W^T in the weight's dtype (a GEMM the size of a 2^H-wide LM head), then fp32.
+            q = (flat_grad[s:s + ctx.chunk].to(weight.dtype) @ weight.T).float() * code_probs(lg, bits)
+            grad_logits[s:s + ctx.chunk] = q @ bits - torch.sigmoid(lg.float()) * q.sum(-1, keepdim=True)
+        # The weight's gradient is that of an embedding lookup: the value of the mapper is one-hot.
+        grad_w = torch.zeros_like(weight)
+        grad_w.index_add_(0, codes.reshape(-1), flat_grad.to(weight.dtype))
+        return grad_logits.reshape(z_logits.shape).to(z_logits.dtype), None, grad_w, None
+
+
+def sample_codes(z_logits, generator=None):
+    """Sample each bit from Bernoulli(sigmoid(logit)) and pack the H bits into a code index."""
+    p = torch.sigmoid(z_logits.float())
+    b = (torch.rand(p.shape, device=p.device, generator=generator) < p).long()
+    return (b << torch.arange(b.shape[-1], device=b.device)).sum(-1)
+
+
+def latent_kl(z_logits):
+    """KL(Q(Z_t|S) || uniform over 2^H) per token, closed form since Q factorises over bits:
+    sum_h [log 2 - H_b(p_h)], with H_b(p) = p*softplus(-l) + (1-p)*softplus(l) in nats."""
+    lf = z_logits.float()
+    p = torch.sigmoid(lf)
+    entropy = p * F.softplus(-lf) + (1 - p) * F.softplus(lf)
+    return (math.log(2) - entropy).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self.init_module)
+
+    def init_module(self, m):
+        """Initialise one module's own parameters (not its children's), so the same function
+        serves plain construction and FSDP's meta-device param_init_fn."""
+        std = self.cfg.init_std
+        if isinstance(m, nn.Linear):
+            s = std / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual_out", False) else std
+            nn.init.normal_(m.weight, 0.0, s)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+        elif isinstance(m, EncoderBlock):
+            nn.init.normal_(m.zeta, 0.0, std)
+        elif isinstance(m, LatentSampler):
+            nn.init.normal_(m.post_sampler, 0.0, std)
+
+    def rope(self, seq_len, device, offset=0):
+        return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, device, offset)
+
+    def forward(self, idx, mode="training", z=None):
+        """Returns (logits, z_logits); z_logits is always None for the baseline."""
+        cos, sin = self.rope(idx.shape[1], idx.device)
+        x = self.drop(self.tok_emb(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x)), None
+
+
+class LatentSampler(nn.Module):
+    """Encoder block + Binary Mapper + post-sampler weight (2^H x D). One module, so FSDP can
+    shard the large post-sampler weight as its own unit."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.encoder = EncoderBlock(cfg)
+        self.post_sampler = nn.Parameter(torch.empty(2 ** cfg.latent_bits, cfg.d_model))
+        self.chunk = cfg.mapper_chunk
+
+    def forward(self, x, cos, sin, mode="training", z=None):
+        """Returns (R, z_logits). mode="training": Z from the encoder (posterior); "inference":
+        Z drawn uniformly from the 2^H codes (prior), z_logits None. An explicit z (code
+        indices, shape (B, T)) overrides both."""
+        if z is not None:
+            return F.embedding(z, self.post_sampler).to(x.dtype), None
+        if mode == "inference":
+            codes = torch.randint(0, self.post_sampler.shape[0], x.shape[:2], device=x.device)
+            return F.embedding(codes, self.post_sampler).to(x.dtype), None
+        if mode != "training":
+            raise ValueError(f"mode {mode!r}: valid values are training, inference")
+        z_logits = self.encoder(x, cos, sin)
+        codes = sample_codes(z_logits)
+        r = _BinaryMapperST.apply(z_logits, codes, self.post_sampler, self.chunk)
+        return r.to(x.dtype), z_logits
+
+
+class FreeTransformer(Transformer):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.latent = LatentSampler(cfg)
+        self.latent.apply(self.init_module)
+
+    def forward(self, idx, mode="training", z=None):
+        cos, sin = self.rope(idx.shape[1], idx.device)
+        x = self.drop(self.tok_emb(idx))
+        half = self.cfg.n_layer // 2
+        for block in self.blocks[:half]:
+            x = block(x, cos, sin)
+        r, z_logits = self.latent(x, cos, sin, mode=mode, z=z)
+        x = self.blocks[half](x, cos, sin, kv_extra=r)
+        for block in self.blocks[half + 1:]:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x)), z_logits
+
+
+def build_model(cfg):
+    return (FreeTransformer if cfg.arch == "free" else Transformer)(cfg)
+
+
+def lm_loss(logits, targets, z_logits=None, kappa=0.0):
+    """Cross-entropy, plus for the Free Transformer the free-bits KL term
+    mean_t max(0, KL_t - kappa), with the hinge applied per token before averaging.
+    Returns (total, {"ce": ..., "kl": ...}) with detached parts for logging."""
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if z_logits is None:
+        return ce, {"ce": ce.detach()}
+    kl = latent_kl(z_logits)
+    total = ce + torch.clamp(kl - kappa, min=0.0).mean()
+    return total, {"ce": ce.detach(), "kl": kl.mean().detach()}
+
+
+def count_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_params(cfg):
+    """Parameters that take part in a matmul per token (for FLOP counts): the blocks and the LM
+    head, not the embedding lookup nor the post-sampler lookup. The encoder block adds one
+    block's attention+MLP for the Free Transformer."""
+    d, kv = cfg.d_model, cfg.n_kv_head * (cfg.d_model // cfg.n_head)
+    per_block = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_hidden
+    n_blocks = cfg.n_layer + (1 if cfg.arch == "free" else 0)
+    return n_blocks * per_block + d * cfg.vocab_size
+
+
+def flops_per_token(cfg, seq_len):
+    """6 * N_matmul for forward+backward, plus attention scores and values:
+    6 * n_layer * d_model * seq_len (torchtitan's count, causal masking not discounted)."""
+    n_blocks = cfg.n_layer + (1 if cfg.arch == "free" else 0)
+    return 6 * matmul_params(cfg) + 6 * n_blocks * cfg.d_model * seq_len

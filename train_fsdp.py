@@ -1,0 +1,761 @@
+"""Train a decoder-only Transformer or a Free Transformer with FSDP, DDP or on one device.
+
+One file, raw torch.distributed. Read main() top to bottom: config -> distributed setup ->
+model -> wrapping -> data -> optimizer -> loop -> checkpoint -> exit.
+
+    python train_fsdp.py                                  # one process (CPU or one GPU)
+    torchrun --nproc_per_node=4 train_fsdp.py             # one node, 4 GPUs
+    srun python train_fsdp.py                             # Slurm tasks, no torchrun
+
+To train your own model, change the four seams: build_model, compute_loss, load_dataset
+(the batch source) and the block classes that build_model returns (the FSDP wrap unit and
+the activation-checkpointing unit). main() takes each as an argument.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import resource
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP,
+                                    MixedPrecision, ShardingStrategy)
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, lambda_auto_wrap_policy,
+                                         size_based_auto_wrap_policy)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+import data as data_lib
+import model as model_lib
+
+# =============================================================================================
+# Configuration: one tree of dataclasses. Every field is a command-line flag (--field-name),
+# a key of the TOML table of its section, and may be set by a preset.
+# Precedence: command line > config file > preset > default.
+
+
+def opt(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class FSDPConfig:
+    sharding_strategy: str = opt("FULL_SHARD", "how parameters, gradients and optimizer state are split",
+                                 ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+    hybrid_shard_size: int = opt(0, "processes per shard group for HYBRID_SHARD*; 0 = processes per node")
+    backward_prefetch: str = opt("BACKWARD_PRE", "when to all-gather the next unit's parameters in backward",
+                                 ["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
+    forward_prefetch: bool = opt(False, "issue the next unit's all-gather before the current forward")
+    limit_all_gathers: bool = opt(True, "rate-limit all-gathers so the CPU cannot run ahead and blow memory")
+    use_orig_params: bool = opt(True, "keep original parameters visible (needed for per-parameter weight "
+                                "decay and torch.compile)")
+    cpu_offload: bool = opt(False, "keep sharded parameters and gradients on CPU")
+    sync_module_states: bool = opt(False, "broadcast rank 0's weights to all ranks at wrap time")
+    meta_init: bool = opt(False, "build the model on the meta device and materialise it unit by unit "
+                          "(models too big for one host's RAM)")
+    auto_wrap: str = opt("module", "FSDP unit policy: module (ModuleWrapPolicy on the block class), lambda "
+                         "(predicate), size (min_num_params)", ["module", "lambda", "size"])
+    min_num_params: int = opt(1_000_000, "parameters per unit for --auto-wrap size")
+    activation_checkpointing: bool = opt(False, "recompute blocks in backward (non-reentrant checkpoint_wrapper)")
+    ac_every: int = opt(1, "checkpoint every k-th block (1 = all)")
+    param_dtype: str = opt("bf16", "dtype of parameters in forward/backward", ["bf16", "fp16", "fp32"])
+    reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
+    buffer_dtype: str = opt("fp32", "dtype of buffers", ["bf16", "fp16", "fp32"])
+
+
+@dataclass
+class TrainConfig:
+    preset: str = opt("", "named setting bundle; individual flags override it",
+                      ["", "single_node_fsdp", "multi_node_fsdp", "large_scale_fsdp", "ddp"])
+    strategy: str = opt("fsdp", "data parallelism", ["fsdp", "ddp", "none"])
+    seed: int = opt(1337, "seed for init, data order and sampling")
+    global_batch: int = opt(64, "sequences per optimizer step, over all ranks and micro-batches")
+    micro_batch: int = opt(0, "sequences per rank per forward; 0 = global_batch / world_size")
+    grad_accum_mode: str = opt("no_sync", "no_sync: reduce once per step (full-size grads held); sync: reduce "
+                               "every micro-batch (less memory, more traffic)", ["no_sync", "sync"])
+    max_steps: int = opt(0, "optimizer steps; 0 = derived from --epochs")
+    epochs: float = opt(1.0, "passes over the training set when --max-steps is 0")
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
+    warmup_steps: int = opt(50, "linear warmup steps before cosine decay")
+    lr_scale_base_batch: int = opt(0, "if > 0, scale lr linearly by global_batch / this")
+    weight_decay: float = opt(0.1, "AdamW weight decay, on >= 2-D weights only")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "max global gradient norm; 0 = no clipping")
+    eval_every: int = opt(100, "validate every N steps (and at the end); 0 = only at the end")
+    eval_samples: int = opt(512, "validation sequences per evaluation")
+    log_every: int = opt(10, "log metrics every N steps")
+    save_every: int = opt(0, "save a full checkpoint every N steps; 0 = only at the end")
+    out_dir: str = opt("", "run directory; empty = runs/<arch>-<date-time>")
+    overwrite: bool = opt(False, "allow writing into a run directory that already holds a run")
+    compile: bool = opt(False, "torch.compile the model (forces use_orig_params with FSDP)")
+    profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
+    debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL and NCCL/gloo debug logging")
+
+
+@dataclass
+class Config:
+    model: model_lib.ModelConfig = field(default_factory=model_lib.ModelConfig)
+    data: data_lib.DataConfig = field(default_factory=data_lib.DataConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# Bundles named as in common FSDP guides. Each sets fields of the sections above.
+PRESETS = {
+    "single_node_fsdp": {"train": {"strategy": "fsdp"},
+                         "fsdp": {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE",
+                                  "limit_all_gathers": True, "activation_checkpointing": False}},
+    "multi_node_fsdp": {"train": {"strategy": "fsdp"},
+                        "fsdp": {"sharding_strategy": "HYBRID_SHARD", "backward_prefetch": "BACKWARD_PRE",
+                                 "forward_prefetch": True, "limit_all_gathers": True}},
+    "large_scale_fsdp": {"train": {"strategy": "fsdp"},
+                         "fsdp": {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE",
+                                  "limit_all_gathers": True, "activation_checkpointing": True,
+                                  "meta_init": True}},
+    "ddp": {"train": {"strategy": "ddp"}},
+}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """A mistake in what the user asked for: reported in one line, exit code 2."""
+
+
+def sections(cfg):
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def flag_name(name):
+    return "--" + name.replace("_", "-")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise BadInput(message)
+
+
+def build_arg_parser():
+    parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a flag; "
+                           "--config FILE.toml sets the same fields by [section].", allow_abbrev=False)
+    parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train] tables")
+    for section, obj in sections(Config()).items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(obj):
+            kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+            if f.type in (bool, "bool"):
+                group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+                group.add_argument(flag_name(f.name), type=typ, choices=f.metadata.get("choices"), **kw)
+    return parser
+
+
+def set_field(cfg, section, key, value, source):
+    """Set cfg.<section>.<key> = value after checking key, type and choices."""
+    sec = sections(cfg).get(section)
+    if sec is None:
+        raise BadInput(f"{source}: unknown table [{section}]; valid tables: {', '.join(sections(cfg))}")
+    fields = {f.name: f for f in dataclasses.fields(sec)}
+    if key not in fields:
+        raise BadInput(f"{source}: unknown key {section}.{key}; valid keys: {', '.join(fields)}")
+    f = fields[key]
+    typ = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not typ:
+        raise BadInput(f"{source}: {section}.{key} = {value!r} must be a {typ.__name__}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise BadInput(f"{source}: {section}.{key} = {value!r}; valid values: {', '.join(map(repr, choices))}")
+    setattr(sec, key, value)
+
+
+def parse_config(argv):
+    args = vars(build_arg_parser().parse_args(argv))
+    config_path = args.pop("config")
+    cli = {}
+    for dest, value in args.items():
+        section, key = dest.split(".")
+        cli.setdefault(section, {})[key] = value
+    file_values = {}
+    if config_path:
+        if not os.path.isfile(config_path):
+            raise BadInput(f"--config {config_path}: no such file")
+        try:
+            with open(config_path, "rb") as fh:
+                file_values = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise BadInput(f"--config {config_path}: not valid TOML ({e})")
+        for section, table in file_values.items():
+            if not isinstance(table, dict):
+                raise BadInput(f"{config_path}: top-level key {section!r} must be a table like [train]")
+
+    cfg = Config()
+
+    def chosen(section, key):  # a preset name itself follows command line > file > default
+        return cli.get(section, {}).get(key, file_values.get(section, {}).get(key, ""))
+
+    layers = []
+    preset = chosen("train", "preset")
+    if preset:
+        if preset not in PRESETS:
+            raise BadInput(f"preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+        layers.append((PRESETS[preset], f"preset {preset}"))
+    size = chosen("model", "size")
+    if size:
+        if size not in model_lib.SIZE_PRESETS:
+            raise BadInput(f"--size {size!r}; valid sizes: {', '.join(model_lib.SIZE_PRESETS)}")
+        layers.append(({"model": model_lib.SIZE_PRESETS[size]}, f"size {size}"))
+    layers += [(file_values, config_path), (cli, "command line")]
+    for values, source in layers:
+        for section, table in values.items():
+            for key, value in table.items():
+                set_field(cfg, section, key, value, source)
+    return cfg
+
+
+def check_config(cfg):
+    t, f = cfg.train, cfg.fsdp
+    if t.global_batch < 1 or t.micro_batch < 0:
+        raise BadInput(f"--global-batch {t.global_batch} / --micro-batch {t.micro_batch} must be positive")
+    if f.ac_every < 1:
+        raise BadInput(f"--ac-every {f.ac_every}: must be >= 1")
+    if f.cpu_offload and t.grad_accum_mode == "sync" and t.strategy == "fsdp":
+        raise BadInput("--grad-accum-mode sync with --cpu-offload: FSDP overwrites instead of accumulating "
+                       "offloaded gradients outside no_sync; use --grad-accum-mode no_sync")
+    if f.meta_init and t.strategy != "fsdp":
+        raise BadInput(f"--meta-init needs --strategy fsdp (got {t.strategy})")
+    if f.meta_init and cfg.model.tie_embeddings:
+        raise BadInput("--meta-init with --tie-embeddings: materialising unit by unit breaks the tie; "
+                       "use one of them")
+    if "fp16" in (f.param_dtype, f.reduce_dtype) and t.strategy == "none" and f.param_dtype != "fp16":
+        raise BadInput("--reduce-dtype fp16 without --param-dtype fp16 has no meaning here")
+    try:
+        model_lib.resolve_model_config(cfg.model)
+    except ValueError as e:
+        raise BadInput(str(e))
+
+
+# =============================================================================================
+# Distributed setup
+
+
+def setup_distributed(cfg):
+    """Rank, world size and local rank from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or from Slurm
+    (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when started by srun without torchrun, else a
+    single process. The device comes from the LOCAL rank: the global rank breaks on node 2."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    elif int(env.get("SLURM_NTASKS", "1")) > 1:
+        rank, world, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+        local_world = world // int(env.get("SLURM_NNODES", "1"))
+        if "MASTER_ADDR" not in env:
+            raise BadInput("srun without torchrun: set MASTER_ADDR (first host of the allocation) and MASTER_PORT")
+        env.setdefault("MASTER_PORT", "29500")
+    else:
+        rank, world, local_rank, local_world = 0, 1, 0, 1
+
+    if cfg.fsdp.cpu_offload and cfg.train.strategy == "fsdp" and not torch.cuda.is_available():
+        raise BadInput("--cpu-offload needs a GPU: without one the parameters already live on the CPU "
+                       "(and FSDP's pinned-memory offload cannot run)")
+    if cfg.train.debug:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        env.setdefault("NCCL_DEBUG", "INFO")
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible "
+                           "on this node; launch at most that many processes per node")
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(minutes=30)
+    owner = not dist.is_initialized()  # a caller (e.g. a test driver) may have set up the group already
+    if owner and world == 1:
+        # FSDP and DDP need a process group even for one process; an in-memory store needs no port.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif owner:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    if rank == 0 and backend == "gloo" and owner:
+        print("no CUDA device: running on CPU with the gloo backend")
+    return dict(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
+                device=device, backend=backend, owner=owner)
+
+
+def agree(fn, rank):
+    """Run fn on rank 0 only (file-system work) and share its error, if any, with every rank,
+    so all ranks exit together instead of the others hanging at the next collective."""
+    err = [None]
+    if rank == 0:
+        try:
+            fn()
+        except (BadInput, data_lib.DataError) as e:
+            err[0] = str(e)
+    dist.broadcast_object_list(err, src=0)
+    if err[0]:
+        raise BadInput(err[0])
+
+
+# =============================================================================================
+# Seams: model, loss, data. Replace these three to train your own model with this file.
+
+
+def build_model(cfg):
+    """Returns (model, wrap_classes, checkpoint_classes): the module, the block classes FSDP
+    makes into units, and the block classes activation checkpointing recomputes."""
+    model = model_lib.build_model(cfg.model)
+    wrap = {model_lib.DecoderBlock, model_lib.LatentSampler}
+    return model, wrap, {model_lib.DecoderBlock}
+
+
+def compute_loss(model, x, y, cfg):
+    """Returns (loss to backpropagate, dict of detached scalars to log)."""
+    logits, z_logits = model(x)
+    return model_lib.lm_loss(logits, y, z_logits, cfg.model.kappa)
+
+
+def load_dataset(cfg, rank):
+    """Rank 0 tokenises and caches; everyone then opens the cache read-only."""
+    agree(lambda: data_lib.prepare_data(cfg.data), rank)
+    try:
+        return data_lib.load_data(cfg.data, cfg.train.seed)
+    except data_lib.DataError as e:
+        raise BadInput(str(e))
+
+
+# =============================================================================================
+# Wrapping
+
+
+def wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, init_fn=None):
+    t, f, device = cfg.train, cfg.fsdp, dist_info["device"]
+    blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
+    if t.strategy == "none":
+        model = model.to(device)
+    elif t.strategy == "ddp":
+        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        model = FSDP(model, **fsdp_kwargs(cfg, wrap_classes, dist_info, init_fn))
+    if f.activation_checkpointing:
+        # Non-reentrant: the reentrant variant fires FSDP's post-backward hooks twice.
+        chosen = set(blocks[::f.ac_every])
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: m in chosen,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    if t.compile:
+        model = torch.compile(model)
+    return model
+
+
+def fsdp_kwargs(cfg, wrap_classes, dist_info, init_fn):
+    f = cfg.fsdp
+    if f.auto_wrap == "module":
+        policy = ModuleWrapPolicy(wrap_classes)
+    elif f.auto_wrap == "lambda":
+        # The predicate is where a custom rule goes (e.g. also wrap large embeddings).
+        policy = functools.partial(lambda_auto_wrap_policy,
+                                   lambda_fn=lambda m: isinstance(m, tuple(wrap_classes)))
+    else:
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=f.min_num_params)
+    kw = dict(
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy[f.sharding_strategy],
+        mixed_precision=MixedPrecision(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
+                                       buffer_dtype=DTYPES[f.buffer_dtype]),
+        backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
+        forward_prefetch=f.forward_prefetch,
+        limit_all_gathers=f.limit_all_gathers,
+        use_orig_params=f.use_orig_params,
+        cpu_offload=CPUOffload(offload_params=f.cpu_offload),
+        sync_module_states=f.sync_module_states,
+        # On CPU FSDP1 needs device_id=cpu, otherwise it asks for an accelerator.
+        device_id=dist_info["device"],
+    )
+    if f.sharding_strategy.startswith("_HYBRID") or f.sharding_strategy == "HYBRID_SHARD":
+        # Shard inside a group of `shard` processes (a node), replicate across groups. An
+        # explicit mesh, because FSDP's default guesses the node size from the GPU count.
+        from torch.distributed.device_mesh import init_device_mesh
+        shard = f.hybrid_shard_size or dist_info["local_world"]
+        if dist_info["world"] % shard:
+            raise BadInput(f"--hybrid-shard-size {shard} must divide the world size {dist_info['world']}")
+        if shard == 1 and dist_info["world"] > 1:
+            # Seen on torch 2.13: FSDP1 turns a 1-process shard group into NO_SHARD and then
+            # skips the all-reduce across replicas, so the replicas silently diverge.
+            raise BadInput(f"{f.sharding_strategy} with shard groups of 1 process has nothing to shard; "
+                           "use --sharding-strategy NO_SHARD or --strategy ddp (or a larger --hybrid-shard-size)")
+        kw["device_mesh"] = init_device_mesh(dist_info["device"].type, (dist_info["world"] // shard, shard),
+                                             mesh_dim_names=("replicate", "shard"))
+    if f.meta_init:
+        device = dist_info["device"]
+
+        def param_init_fn(module):  # called once per module; initialise its own tensors only
+            module.to_empty(device=device, recurse=False)
+            if init_fn is not None:
+                with torch.no_grad():
+                    init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        kw["param_init_fn"] = param_init_fn
+    return kw
+
+
+# =============================================================================================
+# Optimizer and schedule
+
+
+def build_optimizer(model, cfg, lr, device):
+    """AdamW with weight decay on >= 2-D weights only. With use_orig_params=False FSDP flattens
+    parameters into 1-D FlatParameters, so decay cannot be told apart: it then goes to all."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = any(isinstance(m, FSDP) for m in model.modules()) and not cfg.fsdp.use_orig_params
+    if flat:
+        groups = [{"params": params, "weight_decay": cfg.train.weight_decay}]
+    else:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = device.type == "cuda" and not cfg.fsdp.cpu_offload
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused), flat
+
+
+def lr_at(step, peak, cfg, max_steps):
+    """Linear warmup, then cosine decay to min_lr_ratio * peak."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return peak * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, max_steps - t.warmup_steps)
+    return peak * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def clip_gradients(model, max_norm, strategy):
+    """Global gradient norm (and clipping when max_norm > 0). FSDP must use its own
+    clip_grad_norm_: torch.nn.utils' version only sees this rank's shard."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    if strategy == "fsdp":
+        return model.clip_grad_norm_(limit)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+
+
+# =============================================================================================
+# Training step, evaluation, checkpoint
+
+
+def precision_context(cfg, device):
+    """FSDP casts through MixedPrecision; DDP and one device use autocast for the same dtype."""
+    dtype = DTYPES[cfg.fsdp.param_dtype]
+    if cfg.train.strategy == "fsdp" or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_info, loss_fn):
+    """One optimizer step over accum micro-batches. Each micro-batch loss is divided by accum,
+    so the summed gradient equals the gradient of the mean loss over the global batch."""
+    rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
+    totals = {}
+    for m in range(accum):
+        start = (m * world + rank) * micro
+        x, y = (t.to(device, non_blocking=True) for t in data.train_batch(step, cfg.train.global_batch, start, micro))
+        last = m == accum - 1
+        skip_sync = not last and cfg.train.grad_accum_mode == "no_sync" and cfg.train.strategy != "none"
+        # no_sync must cover both forward and backward of the micro-batch.
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with precision_context(cfg, device):
+                loss, parts = loss_fn(model, x, y, cfg)
+            scaled = loss / accum
+            (scaler.scale(scaled) if scaler else scaled).backward()
+        for k, v in {"loss": loss.detach(), **parts}.items():
+            totals[k] = totals.get(k, 0.0) + v.float() / accum
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_gradients(model, cfg.train.grad_clip, cfg.train.strategy)
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg, dist_info, micro, loss_fn):
+    """Mean loss over the fixed validation rows, world-size independent. Every rank runs the
+    same number of forwards (FSDP forwards are collectives); a rank with no rows left runs a
+    dummy row weighted 0."""
+    rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
+    n = min(cfg.train.eval_samples, data.n_val)
+    model.eval()
+    sums = {}
+    for chunk in range(0, n, micro * world):
+        start = chunk + rank * micro
+        count = max(0, min(micro, n - start))
+        x, y = data.val_batch(start if count else 0, count or 1)
+        with precision_context(cfg, device):
+            loss, parts = loss_fn(model, x.to(device), y.to(device), cfg)
+        for k, v in {"loss": loss, **parts}.items():
+            sums[k] = sums.get(k, 0.0) + v.float() * count
+    model.train()
+    keys = sorted(sums)
+    vec = torch.stack([torch.as_tensor(sums[k], device=device) for k in keys]) / n
+    dist.all_reduce(vec)
+    return dict(zip(keys, vec.tolist()))
+
+
+def save_full_checkpoint(model, cfg, run_dir, step, tokens_seen, data, rank):
+    """Consolidated state dict gathered to rank 0 on CPU. Every rank must call this: gathering
+    the shards is a collective. The file loads with torch.load into an unwrapped model."""
+    # cpu_offload gathers to rank 0 only. Parameters already on the CPU skip it: FSDP1 would
+    # free the gathered storage before cloning it (a segfault, seen on torch 2.13 with gloo).
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
+    state = get_model_state_dict(model, options=options)
+    path = os.path.join(run_dir, "checkpoints", f"step_{step:07d}", "model.pt")
+    if rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        payload = {"model": state, "config": dataclasses.asdict(cfg), "step": step,
+                   "tokens_seen": tokens_seen, "tokenizer": data.tokenizer_path}
+        torch.save(payload, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a reader never sees a half-written file
+        with open(os.path.join(run_dir, "checkpoints", "latest.tmp"), "w") as fh:
+            fh.write(os.path.relpath(path, run_dir) + "\n")
+        os.replace(os.path.join(run_dir, "checkpoints", "latest.tmp"), os.path.join(run_dir, "checkpoints", "latest"))
+    dist.barrier()
+    return path
+
+
+# =============================================================================================
+# Observability
+
+
+def memory_stats(device):
+    """(allocated, reserved, peak) in GiB; on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        gib = 2 ** 30
+        return (torch.cuda.memory_allocated(device) / gib, torch.cuda.memory_reserved(device) / gib,
+                torch.cuda.max_memory_allocated(device) / gib)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return 0.0, 0.0, peak
+
+
+def peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class RunLog:
+    """metrics.jsonl (one JSON object per event) and training_log.txt (the same, readable)."""
+
+    def __init__(self, run_dir, rank):
+        self.rank = rank
+        if rank == 0:
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            self.text = open(os.path.join(run_dir, "training_log.txt"), "a")
+
+    def line(self, msg):
+        if self.rank == 0:
+            tqdm.write(msg)
+            self.text.write(msg + "\n")
+            self.text.flush()
+
+    def metrics(self, record):
+        if self.rank == 0:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+
+def prepare_run_dir(cfg, rank):
+    """Create the run directory; refuse one that holds another run unless --overwrite."""
+    if not cfg.train.out_dir:
+        stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
+        dist.broadcast_object_list(stamp, src=0)  # one name for all ranks
+        cfg.train.out_dir = os.path.join("runs", f"{cfg.model.arch}-{stamp[0]}")
+    run_dir = cfg.train.out_dir
+
+    def make():
+        if os.path.exists(os.path.join(run_dir, "config.json")) and not cfg.train.overwrite:
+            raise BadInput(f"--out-dir {run_dir} already holds a run (config.json); choose another "
+                           "directory or pass --overwrite")
+        os.makedirs(run_dir, exist_ok=True)
+        for name in ("metrics.jsonl", "training_log.txt"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        with open(os.path.join(run_dir, "config.json"), "w") as fh:
+            json.dump(dataclasses.asdict(cfg), fh, indent=2)
+    agree(make, rank)
+    return run_dir
+
+
+# =============================================================================================
+# main
+
+
+def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dataset=load_dataset):
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    check_config(cfg)
+    dist_info = setup_distributed(cfg)
+    rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
+    t, f = cfg.train, cfg.fsdp
+
+    # Batch geometry: global batch = micro-batch x world size x accumulation steps.
+    micro = t.micro_batch or t.global_batch // world
+    if micro < 1 or t.global_batch % (micro * world):
+        raise BadInput(f"--global-batch {t.global_batch} is not divisible by micro-batch {micro} x world size "
+                       f"{world}; choose a global batch that is a multiple of {micro * world}")
+    accum = t.global_batch // (micro * world)
+    if t.compile and t.strategy == "fsdp" and not f.use_orig_params:
+        f.use_orig_params = True
+        if rank == 0:
+            print("--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
+
+    data = load_dataset(cfg, rank)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = data.vocab_size
+    elif cfg.model.vocab_size < data.vocab_size:
+        raise BadInput(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's {data.vocab_size}")
+    run_dir = prepare_run_dir(cfg, rank)
+    log = RunLog(run_dir, rank)
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg), indent=1))
+
+    # Same seed on every rank for the weights, so unwrapped replicas start identical.
+    torch.manual_seed(t.seed)
+    with torch.device("meta") if f.meta_init else contextlib.nullcontext():
+        model, wrap_classes, ckpt_classes = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, getattr(model, "init_module", None))
+    local_params = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
+
+    max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
+    peak_lr = t.lr * (t.global_batch / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0)
+    optimizer, flat_decay = build_optimizer(model, cfg, peak_lr, device)
+    fp16 = f.param_dtype == "fp16"
+    scaler = None
+    if fp16:
+        scaler = ShardedGradScaler(device.type) if t.strategy == "fsdp" else torch.amp.GradScaler(device.type)
+
+    tokens_per_step = t.global_batch * data.seq_len
+    flops_tok = model_lib.flops_per_token(cfg.model, data.seq_len)
+    peak = peak_flops(device)
+    log.line(f"world {world} | backend {dist_info['backend']} | device {device} "
+             f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
+    log.line(f"strategy {t.strategy}" + (f" {f.sharding_strategy} wrap={f.auto_wrap} prefetch={f.backward_prefetch}"
+                                         if t.strategy == "fsdp" else "") +
+             f" | dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}")
+    log.line(f"parameters: total {n_params:,} | trainable {n_trainable:,} | on rank 0 {local_params:,}")
+    log.line(f"batch: global {t.global_batch} = micro {micro} x world {world} x accum {accum} "
+             f"({t.grad_accum_mode}) | seq {data.seq_len} | {tokens_per_step:,} tokens/step | {max_steps} steps")
+    if flat_decay and t.weight_decay > 0:
+        log.line("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them "
+                 "(norm weights too); pass --use-orig-params to exempt 1-D weights")
+    if peak is None and device.type == "cuda":
+        log.line(f"MFU not reported: unknown bf16 peak for {torch.cuda.get_device_name(device)}")
+    log.line(f"run directory: {run_dir}")
+
+    profiler = None
+    if t.profile:
+        profiler = torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(run_dir, f"trace_rank{rank}.json")))
+        profiler.start()
+
+    model.train()
+    tokens_seen, window_start, window_steps = 0, time.perf_counter(), 0
+    bar = tqdm(total=max_steps, disable=rank != 0, dynamic_ncols=True, desc="train")
+    val = {}
+    for step in range(max_steps):
+        lr = lr_at(step, peak_lr, cfg, max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        totals, grad_norm = train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_info,
+                                       compute_loss)
+        tokens_seen += tokens_per_step
+        window_steps += 1
+        bar.update(1)
+        if profiler:
+            profiler.step()
+        last = step == max_steps - 1
+        if (step + 1) % t.log_every == 0 or last:
+            keys = sorted(totals)
+            vec = torch.stack([totals[k] for k in keys]) / world
+            dist.all_reduce(vec)  # every rank, every log step: it is a collective
+            if not torch.isfinite(vec).all():
+                raise FloatingPointError(f"loss is {vec.tolist()} at step {step + 1}; stopping without saving")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - window_start
+            step_time = elapsed / window_steps
+            mem = torch.tensor(memory_stats(device), device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            rec = {"step": step + 1, **dict(zip(keys, vec.tolist())), "lr": lr, "grad_norm": float(grad_norm),
+                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                   "tokens_seen": tokens_seen, "mem_alloc_gib": mem[0].item(), "mem_reserved_gib": mem[1].item(),
+                   "mem_peak_gib": mem[2].item()}
+            if peak and flops_tok:
+                rec["mfu"] = flops_tok * rec["tokens_per_s"] / world / peak
+            log.metrics(rec)
+            parts = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
+            log.line(f"step {step + 1:>6} | {parts} | lr {lr:.2e} | gnorm {rec['grad_norm']:.3f} | "
+                     f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * step_time:.0f} ms/step" +
+                     (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
+                     f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
+            window_start, window_steps = time.perf_counter(), 0
+        if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+            val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
+            log.metrics({"step": step + 1, **{f"val_{k}": v for k, v in val.items()}})
+            log.line(f"step {step + 1:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+            window_start = time.perf_counter()  # keep evaluation out of the throughput
+        if (t.save_every and (step + 1) % t.save_every == 0) or last:
+            path = save_full_checkpoint(model, cfg, run_dir, step + 1, tokens_seen, data, rank)
+            log.line(f"saved {path}")
+            window_start = time.perf_counter()
+    bar.close()
+    if profiler:
+        profiler.stop()
+    log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    dist.barrier()
+    if dist_info["owner"]:
+        dist.destroy_process_group()
+    return val
+
+
+def run():
+    """Command-line entry: bad input -> one line on stderr (rank 0) and exit code 2."""
+    try:
+        main()
+    except BadInput as e:
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    run()
