@@ -277,9 +277,13 @@ def setup_distributed(cfg):
     else:
         rank, world, local_rank, local_world = 0, 1, 0, 1
 
-    if cfg.fsdp.cpu_offload and cfg.train.strategy == "fsdp" and not torch.cuda.is_available():
-        raise BadInput("--cpu-offload needs a GPU: without one the parameters already live on the CPU "
-                       "(and FSDP's pinned-memory offload cannot run)")
+    if cfg.train.strategy == "fsdp" and not torch.cuda.is_available():
+        if cfg.fsdp.cpu_offload:
+            raise BadInput("--cpu-offload needs a GPU: without one the parameters already live on the CPU "
+                           "(and FSDP's pinned-memory offload cannot run)")
+        if cfg.fsdp.sync_module_states:
+            raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; on CPU "
+                           "every rank already builds the same weights from --seed")
     if cfg.train.debug:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env.setdefault("NCCL_DEBUG", "INFO")
@@ -426,16 +430,24 @@ def fsdp_kwargs(cfg, wrap_classes, dist_info, init_fn):
 # Optimizer and schedule
 
 
-def build_optimizer(model, cfg, lr, device):
-    """AdamW with weight decay on >= 2-D weights only. With use_orig_params=False FSDP flattens
-    parameters into 1-D FlatParameters, so decay cannot be told apart: it then goes to all."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def unwrapped_name(name):
+    """A parameter's name in the plain model, whatever FSDP, DDP, checkpointing or compile added."""
+    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name.removeprefix("module.")
+
+
+def build_optimizer(model, cfg, lr, device, decay_names):
+    """AdamW with weight decay on the >= 2-D weights (decay_names, taken before wrapping: FSDP1
+    exposes sharded parameters as 1-D views). With use_orig_params=False FSDP flattens them into
+    FlatParameters, so decay cannot be told apart: it then goes to all."""
+    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     flat = any(isinstance(m, FSDP) for m in model.modules()) and not cfg.fsdp.use_orig_params
     if flat:
-        groups = [{"params": params, "weight_decay": cfg.train.weight_decay}]
+        groups = [{"params": [p for _, p in named], "weight_decay": cfg.train.weight_decay}]
     else:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [{"params": [p for n, p in named if n in decay_names], "weight_decay": cfg.train.weight_decay},
+                  {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0}]
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused), flat
 
@@ -646,6 +658,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     torch.manual_seed(t.seed)
     with torch.device("meta") if f.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
+    decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, getattr(model, "init_module", None))
@@ -654,7 +667,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
 
     max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     peak_lr = t.lr * (t.global_batch / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0)
-    optimizer, flat_decay = build_optimizer(model, cfg, peak_lr, device)
+    optimizer, flat_decay = build_optimizer(model, cfg, peak_lr, device, decay_names)
     fp16 = f.param_dtype == "fp16"
     scaler = None
     if fp16:
