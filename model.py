@@ -41,15 +41,17 @@ class ModelConfig:
     mapper_chunk: int = field(default=4096, metadata={"help": "tokens per chunk in the Binary Mapper's backward"})
 
 
-# Width, depth, heads, kv heads. 1.5b and 8b follow the paper's shapes (Llama-like);
-# tiny is for tests and CPU runs.
+# Width, depth, heads, kv heads, MLP width. 1b is Llama-3.2-1B's shape; 1.5b and 8b are the
+# paper's sizes in Llama-3 style shapes (8b is Llama-3-8B's); tiny is for tests and CPU runs.
+# Counts with a 32k vocabulary: 134M, 369M, 1.1B, 1.6B, 7.2B (the Free Transformer adds
+# 2^H x D post-sampler weights and one block).
 SIZE_PRESETS = {
     "tiny": dict(n_layer=4, d_model=128, n_head=4, n_kv_head=0),
     "small": dict(n_layer=6, d_model=384, n_head=6, n_kv_head=0),
     "125m": dict(n_layer=12, d_model=768, n_head=12, n_kv_head=0),
     "350m": dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=0),
-    "1b": dict(n_layer=16, d_model=2048, n_head=16, n_kv_head=8),
-    "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8),
+    "1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_hidden=8192),
+    "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
     "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, rope_theta=500000.0),
 }
 

@@ -448,7 +448,9 @@ def build_optimizer(model, cfg, lr, device, decay_names):
     else:
         groups = [{"params": [p for n, p in named if n in decay_names], "weight_decay": cfg.train.weight_decay},
                   {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0}]
-    fused = device.type == "cuda" and not cfg.fsdp.cpu_offload
+    # Fused AdamW needs the parameters on the GPU, and it rejects ShardedGradScaler's found_inf
+    # (shape [1], seen on torch 2.11), so fp16 takes the foreach implementation.
+    fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused), flat
 
 

@@ -151,8 +151,9 @@ def test_config_file_that_is_a_directory(tmp_path):
     bad(["--config", str(tmp_path)], "--config", str(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_config only catches tomllib.TOMLDecodeError; a --config file "
-                   "that is not UTF-8 raises UnicodeDecodeError (CLI: traceback, exit 1) instead of BadInput")
+@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
+                   reason="BUG: parse_config only catches tomllib.TOMLDecodeError; a --config file that is not UTF-8 "
+                   "raises UnicodeDecodeError (CLI: traceback, exit 1) instead of BadInput")
 def test_config_file_not_utf8(tmp_path):
     path = tmp_path / "latin1.toml"
     path.write_bytes(b"[train]\nout_dir = \"caf\xe9\"\n")
@@ -163,24 +164,27 @@ def test_config_file_not_utf8(tmp_path):
 # Numeric ranges that the product rules call bad input but check_config lets through: each of them
 # crashes later with a traceback (exit 1), most after config.json has been written, or does nothing.
 
-RANGE_BUGS = [
+DID_NOT_RAISE = pytest.fail.Exception
+RANGE_BUGS = [  # (argv, flag the message should name, what happens instead, exception the test now sees)
     (["--log-every", "0"], "--log-every", "main(): (step + 1) % t.log_every -> ZeroDivisionError traceback at "
-     "step 1, after config.json is written"),
+     "step 1, after config.json is written", DID_NOT_RAISE),
     (["--eval-samples", "0"], "--eval-samples", "evaluate(): torch.stack([]) -> RuntimeError 'stack expects a "
-     "non-empty TensorList' traceback at the first evaluation, after training"),
-    (["--max-steps", "-3"], "--max-steps", "range(-3) is empty: exit 0, no training, no checkpoint"),
+     "non-empty TensorList' traceback at the first evaluation, after training", DID_NOT_RAISE),
+    (["--max-steps", "-3"], "--max-steps", "range(-3) is empty: exit 0, no training, no checkpoint",
+     DID_NOT_RAISE),
     (["--n-head", "0"], "--n-head", "model.resolve_model_config(): d_model % 0 -> ZeroDivisionError, which "
-     "check_config does not turn into BadInput (traceback)"),
+     "check_config does not turn into BadInput (traceback)", ZeroDivisionError),
     (["--lr", "-1"], "--lr", "torch.optim.AdamW raises ValueError 'Invalid learning rate' (traceback, exit 1) "
-     "after config.json is written"),
-    (["--dropout", "1.5"], "--dropout", "nn.Dropout raises ValueError (traceback) after config.json is written"),
+     "after config.json is written", DID_NOT_RAISE),
+    (["--dropout", "1.5"], "--dropout", "nn.Dropout raises ValueError (traceback) after config.json is written",
+     DID_NOT_RAISE),
 ]
 
 
 @pytest.mark.parametrize("argv, flag", [
-    pytest.param(argv, flag, marks=pytest.mark.xfail(strict=True, reason="BUG: check_config accepts "
-                                                     f"{' '.join(argv)}: {why}"))
-    for argv, flag, why in RANGE_BUGS], ids=[a[0].lstrip("-") + "=" + a[1] for a, _, _ in RANGE_BUGS])
+    pytest.param(argv, flag, marks=pytest.mark.xfail(
+        strict=True, raises=exc, reason=f"BUG: check_config does not reject {' '.join(argv)} as BadInput: {why}"))
+    for argv, flag, why, exc in RANGE_BUGS], ids=[a[0].lstrip("-") + "=" + a[1] for a, *_ in RANGE_BUGS])
 def test_out_of_range_numbers_are_bad_input(argv, flag):
     bad(argv, flag, argv[1])
 
@@ -386,6 +390,14 @@ def test_every_field_settable_from_config_file(tmp_path):
     assert cfg == expected
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("extra", [[], ["--strategy", "none", "--arch", "baseline"]], ids=["fsdp", "none"])
+def test_shipped_config_files_are_valid(path, extra):
+    cfg = parse_config(["--config", str(path), *extra])
+    check_config(cfg)
+    assert cfg != T.Config()  # the file set something
+
+
 def test_config_dataclasses_are_the_sections():
     assert set(T.sections(T.Config())) == {"model", "data", "fsdp", "train"}
     hints = typing.get_type_hints(T.Config)
@@ -446,8 +458,10 @@ def runs(tmp_path_factory):
     add("indivisible_batch", lambda d: [*TINY, "--global-batch", "10", "--micro-batch", "4", "--out-dir", d / "run"])
     add("missing_data", lambda d: ["--dataset", "/nonexistent/corpus.txt", "--cache-dir", d / "cache",
                                    "--out-dir", d / "run"])
-    add("empty_corpus", lambda d: ["--dataset", (d / "empty.txt").write_text("") or d / "empty.txt",
-                                   "--cache-dir", d / "cache", "--out-dir", d / "run"])
+    def empty_corpus(d):
+        (d / "empty.txt").write_text("")
+        return ["--dataset", d / "empty.txt", "--cache-dir", d / "cache", "--out-dir", d / "run"]
+    add("empty_corpus", empty_corpus)
     add("seq_len_train", lambda d: ["--dataset", small_corpus(d / "corpus.txt"), "--tokenizer-type", "char",
                                     "--seq-len", "100000", "--cache-dir", d / "cache", "--out-dir", d / "run"])
     # ~18.6k characters: training split ok for 1000, the 1% validation split (~190 tokens) is not.
@@ -462,7 +476,10 @@ def runs(tmp_path_factory):
     add("run_dir_taken", taken)
     add("hybrid_bad", lambda d: [*TINY, "--sharding-strategy", "HYBRID_SHARD", "--hybrid-shard-size", "3",
                                  "--out-dir", d / "run"])
-    add("out_dir_is_file", lambda d: [*TINY, "--out-dir", (d / "f").write_text("x") and d / "f"])
+    def out_dir_is_file(d):
+        (d / "f").write_text("x")
+        return [*TINY, "--out-dir", d / "f"]
+    add("out_dir_is_file", out_dir_is_file)
     add("ok", lambda d: [*TINY, "--out-dir", d / "ok"])
 
     def with_config(d):
@@ -536,7 +553,8 @@ def test_cli_bad_hybrid_shard_size(runs):
     assert "--hybrid-shard-size 3" in line and "world size 1" in line
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the --hybrid-shard-size check runs in fsdp_kwargs() (wrap time), after "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="BUG: the --hybrid-shard-size check runs in fsdp_kwargs() (wrap time), after "
                    "prepare_run_dir() has written config.json, metrics.jsonl and training_log.txt; the fixed command "
                    "then fails with 'already holds a run' unless --overwrite")
 def test_cli_bad_hybrid_shard_size_leaves_no_run_behind(runs):
@@ -545,8 +563,9 @@ def test_cli_bad_hybrid_shard_size_leaves_no_run_behind(runs):
     assert not (d / "run" / "config.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: prepare_run_dir() calls os.makedirs on an --out-dir that is an existing "
-                   "file; FileExistsError is not BadInput, so the CLI prints a traceback and exits 1")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="BUG: prepare_run_dir() calls os.makedirs on an --out-dir that is an existing file; "
+                   "FileExistsError is not BadInput, so the CLI prints a traceback and exits 1")
 def test_cli_out_dir_is_a_file(runs):
     proc, d = runs["out_dir_is_file"]
     line = error_line(proc)

@@ -7,6 +7,7 @@ torch starts once per process, not once per run.
 """
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def two(tmp_path_factory):
         "free_fsdp_ac": ["--arch", "free", "--latent-bits", "4", "--activation-checkpointing",
                          "--sharding-strategy", "SHARD_GRAD_OP"],
         "bf16": ["--param-dtype", "bf16"],
+        "fp16": ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],
+        "fp16_ddp": ["--param-dtype", "fp16", "--strategy", "ddp"],
     })
     return launch(tmp, 2, runs, "two")
 
@@ -198,3 +201,17 @@ def test_full_state_dict_loads_into_unwrapped_model(two):
         logits, _ = model(x)
         loss, _ = model_lib.lm_loss(logits, y)
     assert abs(loss.item() - val["val_loss"]) < 1e-5 * val["val_loss"]
+
+
+def test_fp16_with_sharded_grad_scaler(two):
+    """fp16 goes through ShardedGradScaler (FSDP) / GradScaler (DDP): the first step overflows
+    at the initial scale 2^16 and is skipped, then training proceeds like DDP's."""
+    runs = {}
+    for name in ("fp16", "fp16_ddp"):
+        with open(os.path.join(two[name][2], "metrics.jsonl")) as fh:
+            runs[name] = [r for r in map(json.loads, fh) if "loss" in r]
+    assert runs["fp16"][0]["grad_norm"] == float("inf")
+    assert all(math.isfinite(r["grad_norm"]) for r in runs["fp16"][1:])
+    for a, b in zip(runs["fp16"], runs["fp16_ddp"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-3 * b["loss"]
+    assert runs["fp16"][-1]["loss"] < runs["fp16"][0]["loss"]
