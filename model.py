@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 @dataclass
 class ModelConfig:
-    arch: str = field(default="free", metadata={"help": "free (Free Transformer) | baseline (plain decoder)"})
+    arch: str = field(default="free", metadata={"help": "free (Free Transformer) or baseline (plain decoder)",
+                                                "choices": ["free", "baseline"]})
     size: str = field(default="", metadata={"help": "named size preset: " + ", ".join(
         ["tiny", "small", "125m", "350m", "1b", "1.5b", "8b"]) + "; empty = use the fields below"})
     n_layer: int = field(default=4, metadata={"help": "decoder blocks (even for the Free Transformer)"})

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP,
                                     MixedPrecision, ShardingStrategy)
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -151,6 +152,8 @@ def flag_name(name):
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            message += " (python train_fsdp.py --help lists the valid flags)"
         raise BadInput(message)
 
 
@@ -183,7 +186,7 @@ def set_field(cfg, section, key, value, source):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not typ:
-        raise BadInput(f"{source}: {section}.{key} = {value!r} must be a {typ.__name__}")
+        raise BadInput(f"{source}: {section}.{key} = {value!r} must be of type {typ.__name__}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise BadInput(f"{source}: {section}.{key} = {value!r}; valid values: {', '.join(map(repr, choices))}")
@@ -206,6 +209,8 @@ def parse_config(argv):
                 file_values = tomllib.load(fh)
         except tomllib.TOMLDecodeError as e:
             raise BadInput(f"--config {config_path}: not valid TOML ({e})")
+        except UnicodeDecodeError as e:
+            raise BadInput(f"--config {config_path}: not valid TOML, TOML files are UTF-8 ({e})")
         for section, table in file_values.items():
             if not isinstance(table, dict):
                 raise BadInput(f"{config_path}: top-level key {section!r} must be a table like [train]")
@@ -219,12 +224,14 @@ def parse_config(argv):
     preset = chosen("train", "preset")
     if preset:
         if preset not in PRESETS:
-            raise BadInput(f"preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+            raise BadInput(f"--preset {preset!r} (from {'the command line' if 'preset' in cli.get('train', {}) else config_path}); "
+                           f"valid presets: {', '.join(PRESETS)}")
         layers.append((PRESETS[preset], f"preset {preset}"))
     size = chosen("model", "size")
     if size:
         if size not in model_lib.SIZE_PRESETS:
-            raise BadInput(f"--size {size!r}; valid sizes: {', '.join(model_lib.SIZE_PRESETS)}")
+            raise BadInput(f"--size {size!r} (from {'the command line' if 'size' in cli.get('model', {}) else config_path}); "
+                           f"valid sizes: {', '.join(model_lib.SIZE_PRESETS)}")
         layers.append(({"model": model_lib.SIZE_PRESETS[size]}, f"size {size}"))
     layers += [(file_values, config_path), (cli, "command line")]
     for values, source in layers:
@@ -234,12 +241,34 @@ def parse_config(argv):
     return cfg
 
 
+def check_ranges(cfg):
+    """Numbers outside their range, each reported by its flag before anything is written."""
+    m, t, f = cfg.model, cfg.train, cfg.fsdp
+    rules = [("global_batch", t.global_batch >= 1, ">= 1"), ("micro_batch", t.micro_batch >= 0, ">= 0"),
+             ("max_steps", t.max_steps >= 0, ">= 0"), ("epochs", t.epochs > 0, "> 0"),
+             ("lr", t.lr > 0, "> 0"), ("min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+             ("warmup_steps", t.warmup_steps >= 0, ">= 0"), ("weight_decay", t.weight_decay >= 0, ">= 0"),
+             ("beta1", 0 <= t.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= t.beta2 < 1, "in [0, 1)"),
+             ("grad_clip", t.grad_clip >= 0, ">= 0"), ("eval_every", t.eval_every >= 0, ">= 0"),
+             ("eval_samples", t.eval_samples >= 1, ">= 1"), ("log_every", t.log_every >= 1, ">= 1"),
+             ("save_every", t.save_every >= 0, ">= 0"), ("lr_scale_base_batch", t.lr_scale_base_batch >= 0, ">= 0"),
+             ("ac_every", f.ac_every >= 1, ">= 1"), ("min_num_params", f.min_num_params >= 1, ">= 1"),
+             ("hybrid_shard_size", f.hybrid_shard_size >= 0, ">= 0"),
+             ("n_layer", m.n_layer >= 1, ">= 1"), ("d_model", m.d_model >= 1, ">= 1"),
+             ("n_head", m.n_head >= 1, ">= 1"), ("n_kv_head", m.n_kv_head >= 0, ">= 0"),
+             ("ffn_hidden", m.ffn_hidden >= 0, ">= 0"), ("vocab_size", m.vocab_size >= 0, ">= 0"),
+             ("dropout", 0 <= m.dropout < 1, "in [0, 1)"), ("init_std", m.init_std > 0, "> 0"),
+             ("kappa", m.kappa >= 0, ">= 0"), ("mapper_chunk", m.mapper_chunk >= 1, ">= 1"),
+             ("rope_theta", m.rope_theta > 0, "> 0"), ("norm_eps", m.norm_eps > 0, "> 0")]
+    for name, ok, valid in rules:
+        if not ok:
+            value = next(getattr(sec, name) for sec in (m, t, f) if hasattr(sec, name))
+            raise BadInput(f"{flag_name(name)} {value}: must be {valid}")
+
+
 def check_config(cfg):
     t, f = cfg.train, cfg.fsdp
-    if t.global_batch < 1 or t.micro_batch < 0:
-        raise BadInput(f"--global-batch {t.global_batch} / --micro-batch {t.micro_batch} must be positive")
-    if f.ac_every < 1:
-        raise BadInput(f"--ac-every {f.ac_every}: must be >= 1")
+    check_ranges(cfg)
     if f.cpu_offload and t.grad_accum_mode == "sync" and t.strategy == "fsdp":
         raise BadInput("--grad-accum-mode sync with --cpu-offload: FSDP overwrites instead of accumulating "
                        "offloaded gradients outside no_sync; use --grad-accum-mode no_sync")
@@ -309,6 +338,31 @@ def setup_distributed(cfg):
                 device=device, backend=backend, owner=owner)
 
 
+def check_world(cfg, dist_info):
+    """Checks that need the world size, before anything is written. Returns (micro, accum):
+    global batch = micro-batch x world size x accumulation steps."""
+    t, f, world = cfg.train, cfg.fsdp, dist_info["world"]
+    micro = t.micro_batch or t.global_batch // world
+    if micro < 1 or t.global_batch % (micro * world):
+        raise BadInput(f"--global-batch {t.global_batch} is not divisible by micro-batch {micro} x world size "
+                       f"{world}; choose a global batch that is a multiple of {micro * world}")
+    if t.strategy == "fsdp" and "HYBRID" in f.sharding_strategy:
+        shard = hybrid_shard_size(cfg, dist_info)
+        if world % shard:
+            raise BadInput(f"--hybrid-shard-size {shard} must divide the world size {world}")
+        if shard == 1 and world > 1:
+            # Seen on torch 2.13: FSDP1 turns a 1-process shard group into NO_SHARD and then
+            # skips the all-reduce across replicas, so the replicas silently diverge.
+            raise BadInput(f"{f.sharding_strategy} with shard groups of 1 process has nothing to shard; "
+                           "use --sharding-strategy NO_SHARD or --strategy ddp (or a larger --hybrid-shard-size)")
+    return micro, t.global_batch // (micro * world)
+
+
+def hybrid_shard_size(cfg, dist_info):
+    """Processes per shard group for HYBRID_SHARD*: the flag, or the processes of one node."""
+    return cfg.fsdp.hybrid_shard_size or dist_info["local_world"]
+
+
 def agree(fn, rank):
     """Run fn on rank 0 only (file-system work) and share its error, if any, with every rank,
     so all ranks exit together instead of the others hanging at the next collective."""
@@ -318,6 +372,8 @@ def agree(fn, rank):
             fn()
         except (BadInput, data_lib.DataError) as e:
             err[0] = str(e)
+        except OSError as e:  # e.g. --out-dir is a file, a read-only or full disk
+            err[0] = f"{e.strerror}: {e.filename}"
     dist.broadcast_object_list(err, src=0)
     if err[0]:
         raise BadInput(err[0])
@@ -398,18 +454,10 @@ def fsdp_kwargs(cfg, wrap_classes, dist_info, init_fn):
         # On CPU FSDP1 needs device_id=cpu, otherwise it asks for an accelerator.
         device_id=dist_info["device"],
     )
-    if f.sharding_strategy.startswith("_HYBRID") or f.sharding_strategy == "HYBRID_SHARD":
+    if "HYBRID" in f.sharding_strategy:
         # Shard inside a group of `shard` processes (a node), replicate across groups. An
         # explicit mesh, because FSDP's default guesses the node size from the GPU count.
-        from torch.distributed.device_mesh import init_device_mesh
-        shard = f.hybrid_shard_size or dist_info["local_world"]
-        if dist_info["world"] % shard:
-            raise BadInput(f"--hybrid-shard-size {shard} must divide the world size {dist_info['world']}")
-        if shard == 1 and dist_info["world"] > 1:
-            # Seen on torch 2.13: FSDP1 turns a 1-process shard group into NO_SHARD and then
-            # skips the all-reduce across replicas, so the replicas silently diverge.
-            raise BadInput(f"{f.sharding_strategy} with shard groups of 1 process has nothing to shard; "
-                           "use --sharding-strategy NO_SHARD or --strategy ddp (or a larger --hybrid-shard-size)")
+        shard = hybrid_shard_size(cfg, dist_info)
         kw["device_mesh"] = init_device_mesh(dist_info["device"].type, (dist_info["world"] // shard, shard),
                                              mesh_dim_names=("replicate", "shard"))
     if f.meta_init:
@@ -455,11 +503,11 @@ def build_optimizer(model, cfg, lr, device, decay_names):
 
 
 def lr_at(step, peak, cfg, max_steps):
-    """Linear warmup, then cosine decay to min_lr_ratio * peak."""
+    """Linear warmup, then cosine decay reaching min_lr_ratio * peak at the last step."""
     t = cfg.train
     if step < t.warmup_steps:
         return peak * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, max_steps - t.warmup_steps)
+    progress = (step - t.warmup_steps) / max(1, max_steps - 1 - t.warmup_steps)
     return peak * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -635,12 +683,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
     t, f = cfg.train, cfg.fsdp
 
-    # Batch geometry: global batch = micro-batch x world size x accumulation steps.
-    micro = t.micro_batch or t.global_batch // world
-    if micro < 1 or t.global_batch % (micro * world):
-        raise BadInput(f"--global-batch {t.global_batch} is not divisible by micro-batch {micro} x world size "
-                       f"{world}; choose a global batch that is a multiple of {micro * world}")
-    accum = t.global_batch // (micro * world)
+    micro, accum = check_world(cfg, dist_info)
     if t.compile and t.strategy == "fsdp" and not f.use_orig_params:
         f.use_orig_params = True
         if rank == 0:

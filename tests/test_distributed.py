@@ -74,6 +74,7 @@ def single(tmp_path_factory):
         "none_accum4": ["--strategy", "none", "--micro-batch", "2"],
         "fsdp1": ["--strategy", "fsdp"],
         "meta1": ["--strategy", "fsdp", "--meta-init"],
+        "val13": ["--strategy", "none", "--eval-samples", "13", "--eval-every", "2"],
     }, "single")
 
 
@@ -100,6 +101,7 @@ def two(tmp_path_factory):
         "free_fsdp_ac": ["--arch", "free", "--latent-bits", "4", "--activation-checkpointing",
                          "--sharding-strategy", "SHARD_GRAD_OP"],
         "bf16": ["--param-dtype", "bf16"],
+        "val13": ["--eval-samples", "13", "--eval-every", "2"],
         "fp16": ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],
         "fp16_ddp": ["--param-dtype", "fp16", "--strategy", "ddp"],
     })
@@ -215,3 +217,15 @@ def test_fp16_with_sharded_grad_scaler(two):
     for a, b in zip(runs["fp16"], runs["fp16_ddp"]):
         assert abs(a["loss"] - b["loss"]) < 1e-3 * b["loss"]
     assert runs["fp16"][-1]["loss"] < runs["fp16"][0]["loss"]
+
+
+def test_validation_is_world_size_independent(single, two):
+    """13 validation rows over 2 ranks x micro-batch 4: the last chunk is partial and one rank
+    runs a dummy row weighted 0, yet the mean equals the single process's, at every evaluation."""
+    vals = {}
+    for name, runs in (("one", single), ("two", two)):
+        with open(os.path.join(runs["val13"][2], "metrics.jsonl")) as fh:
+            vals[name] = [r["val_loss"] for r in map(json.loads, fh) if "val_loss" in r]
+    assert len(vals["one"]) == 3  # steps 2, 4 and the last
+    for a, b in zip(vals["two"], vals["one"]):
+        assert abs(a - b) <= 1e-5 * b
