@@ -124,18 +124,36 @@ class Dataset:
         return -(-self.n_train // global_batch)
 
     def encode(self, text: str) -> list[int]:
-        if self.sp is not None:
-            return self.sp.encode(text)
-        bad = sorted(set(text) - set(SYNTH_CHARS))
-        if bad:
-            raise DataError(f"characters {bad} are not in the synthetic vocabulary; valid: {SYNTH_CHARS!r}")
-        return [SYNTH_CHARS.index(c) for c in text]
+        return encode(self.sp, text)
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.sp is not None:
-            return self.sp.decode(ids)
-        return "".join(SYNTH_CHARS[i] if i < len(SYNTH_CHARS) else "?" for i in ids)  # "?" marks padding ids
+        return decode(self.sp, ids)
+
+
+def load_tokenizer(tokenizer_path: str):
+    """A run's tokenizer without its token files (for sampling): its SentencePiece model, or
+    None for the synthetic alphabet (a run's tokenizer_path is empty then)."""
+    if not tokenizer_path:
+        return None
+    if not os.path.isfile(tokenizer_path):
+        raise DataError(f"tokenizer {tokenizer_path} not found; the run's tokenizer must stay where it was trained")
+    return spm.SentencePieceProcessor(model_file=tokenizer_path)
+
+
+def encode(sp, text: str) -> list[int]:
+    if sp is not None:
+        return sp.encode(text)
+    bad = sorted(set(text) - set(SYNTH_CHARS))
+    if bad:
+        raise DataError(f"characters {bad} are not in the synthetic vocabulary; valid: {SYNTH_CHARS!r}")
+    return [SYNTH_CHARS.index(c) for c in text]
+
+
+def decode(sp, ids) -> str:
+    ids = [int(i) for i in ids]
+    if sp is not None:
+        return sp.decode(ids)
+    return "".join(SYNTH_CHARS[i] if i < len(SYNTH_CHARS) else "?" for i in ids)  # "?" marks padding ids
 
 
 def check_config(cfg: DataConfig) -> None:

@@ -125,13 +125,22 @@ class Attention(nn.Module):
         self.wo.residual_out = True
         self.dropout = cfg.dropout
 
-    def forward(self, q_in, kv_in, cos, sin, causal):
+    def forward(self, q_in, kv_in, cos, sin, causal, cache=None):
+        """cache (generation only): a dict holding this layer's keys and values so far; a
+        prompt fills it, then each call adds one position."""
         B, T, _ = q_in.shape
         S = kv_in.shape[1]
         q = self.wq(q_in).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            if "k" in cache:
+                if T != 1:
+                    raise ValueError("a filled KV cache takes one new position at a time")
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+                causal = False  # the one new query may see every cached key
+            cache["k"], cache["v"] = k, v
         if self.n_kv_head != self.n_head:
             rep = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -165,10 +174,10 @@ class DecoderBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, kv_extra=None):
+    def forward(self, x, cos, sin, kv_extra=None, cache=None):
         h = self.attn_norm(x)
         kv = h if kv_extra is None else self.attn_norm(x + kv_extra)
-        x = x + self.drop(self.attn(h, kv, cos, sin, causal=True))
+        x = x + self.drop(self.attn(h, kv, cos, sin, causal=True, cache=cache))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -298,13 +307,54 @@ class Transformer(nn.Module):
     def rope(self, seq_len, device, offset=0):
         return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, device, offset)
 
-    def forward(self, idx, mode="training", z=None):
-        """Returns (logits, z_logits); z_logits is always None for the baseline."""
-        cos, sin = self.rope(idx.shape[1], idx.device)
+    def forward(self, idx, mode="training", z=None, cache=None):
+        """Returns (logits, z_logits); z_logits is always None for the baseline. `cache` is
+        a list of per-block dicts for generation (see generate)."""
+        cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
         x = self.drop(self.tok_emb(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache=None if cache is None else cache[i])
         return self.lm_head(self.norm(x)), None
+
+    def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
+        return None  # the baseline has no latent
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="encoder",
+                 generator=None):
+        """Sample max_new_tokens after prompt_ids (B, T0) with a KV cache; call model.eval() first.
+
+        Free Transformer: `z` (B, T0 + max_new_tokens) code indices fixes Z at every position;
+        otherwise the prompt's Z comes from the encoder (prompt_z="encoder") or the uniform prior
+        ("prior"), and each new position's Z is drawn from the prior once, never resampled.
+        A seeded `generator` makes the samples reproducible. Returns (tokens, codes or None)."""
+        T0 = prompt_ids.shape[1]
+        codes = self.latent_codes(prompt_ids, T0 + max_new_tokens, z, prompt_z, generator)
+        cache = [dict() for _ in self.blocks]
+        logits, _ = self(prompt_ids, z=None if codes is None else codes[:, :T0], cache=cache)
+        out = prompt_ids
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+            out = torch.cat([out, nxt], dim=1)
+            if i + 1 < max_new_tokens:
+                pos = slice(T0 + i, T0 + i + 1)
+                logits, _ = self(nxt, z=None if codes is None else codes[:, pos], cache=cache)
+        return out, codes
+
+
+def cached_length(cache):
+    return 0 if not cache or "k" not in cache[0] else cache[0]["k"].shape[2]
+
+
+def sample_next(logits, temperature, top_k, generator):
+    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0, else top-k sampling."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
 class LatentSampler(nn.Module):
@@ -340,17 +390,42 @@ class FreeTransformer(Transformer):
         self.latent = LatentSampler(cfg)
         self.latent.apply(self.init_module)
 
-    def forward(self, idx, mode="training", z=None):
-        cos, sin = self.rope(idx.shape[1], idx.device)
+    def forward(self, idx, mode="training", z=None, cache=None):
+        cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
         x = self.drop(self.tok_emb(idx))
         half = self.cfg.n_layer // 2
-        for block in self.blocks[:half]:
-            x = block(x, cos, sin)
+        caches = [None] * len(self.blocks) if cache is None else cache
+        for block, c in zip(self.blocks[:half], caches):
+            x = block(x, cos, sin, cache=c)
         r, z_logits = self.latent(x, cos, sin, mode=mode, z=z)
-        x = self.blocks[half](x, cos, sin, kv_extra=r)
-        for block in self.blocks[half + 1:]:
-            x = block(x, cos, sin)
+        x = self.blocks[half](x, cos, sin, kv_extra=r, cache=caches[half])
+        for block, c in zip(self.blocks[half + 1:], caches[half + 1:]):
+            x = block(x, cos, sin, cache=c)
         return self.lm_head(self.norm(x)), z_logits
+
+    def encoder_logits(self, idx):
+        """The encoder's H bit-logits per position of idx (posterior Q(Z | idx))."""
+        cos, sin = self.rope(idx.shape[1], idx.device)
+        x = self.tok_emb(idx)
+        for block in self.blocks[:self.cfg.n_layer // 2]:
+            x = block(x, cos, sin)
+        return self.latent.encoder(x, cos, sin)
+
+    def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
+        """Z for every position of a generation: given, or prompt from the encoder / prior and
+        the rest from the uniform prior."""
+        B, T0 = prompt_ids.shape
+        if z is not None:
+            if tuple(z.shape) != (B, total):
+                raise ValueError(f"z has shape {tuple(z.shape)}; expected (batch, prompt + new) = {(B, total)}")
+            return z
+        codes = torch.randint(0, 2 ** self.cfg.latent_bits, (B, total), device=prompt_ids.device,
+                              generator=generator)
+        if prompt_z == "encoder":
+            codes[:, :T0] = sample_codes(self.encoder_logits(prompt_ids), generator)
+        elif prompt_z != "prior":
+            raise ValueError(f"prompt_z {prompt_z!r}: valid values are encoder, prior")
+        return codes
 
 
 def build_model(cfg):
