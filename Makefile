@@ -12,19 +12,28 @@ endif
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline test clean
+.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline sample test clean
 
+# Each training target ends with the synthetic-task demonstration (sample.py --demo).
 train-free-fsdp:
 	$(TORCHRUN) train_fsdp.py $(TASK) --arch free --out-dir runs/free-fsdp-$(STAMP) $(ARGS)
+	$(PYTHON) sample.py --ckpt runs/free-fsdp-$(STAMP) --demo
 
 train-baseline-fsdp:
 	$(TORCHRUN) train_fsdp.py $(TASK) --arch baseline --out-dir runs/baseline-fsdp-$(STAMP) $(ARGS)
+	$(PYTHON) sample.py --ckpt runs/baseline-fsdp-$(STAMP) --demo
 
 train-free:
 	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch free --out-dir runs/free-$(STAMP) $(ARGS)
+	$(PYTHON) sample.py --ckpt runs/free-$(STAMP) --demo
 
 train-baseline:
 	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir runs/baseline-$(STAMP) $(ARGS)
+	$(PYTHON) sample.py --ckpt runs/baseline-$(STAMP) --demo
+
+# Sample from a run: make sample CKPT=runs/free-fsdp-... [SAMPLE_ARGS="--fixed-z --prompt K>"]
+sample:
+	$(PYTHON) sample.py --ckpt $(CKPT) $(SAMPLE_ARGS)
 
 test:
 	$(PYTHON) -m pytest -q tests
