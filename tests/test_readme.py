@@ -1,0 +1,33 @@
+"""Keep README.md true: its settings table lists every field with its real default, and every
+--flag it mentions exists in train_fsdp.py, sample.py, torchrun or sbatch."""
+import dataclasses
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train_fsdp  # noqa: E402
+
+README = open(os.path.join(ROOT, "README.md")).read()
+SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue"}
+TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
+SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
+                "--prompt-z", "--fixed-z", "--demo", "--device"}
+
+
+def test_settings_table_lists_every_field_with_its_default():
+    for section, obj in train_fsdp.sections(train_fsdp.Config()).items():
+        for f in dataclasses.fields(obj):
+            row = re.search(r"^\| `%s` \| `([^`]*)` \|" % re.escape(train_fsdp.flag_name(f.name)), README, re.M)
+            assert row, f"README settings table has no row for {train_fsdp.flag_name(f.name)}"
+            default = f.default
+            shown = "''" if default == "" else (f"{default:g}" if isinstance(default, float) else str(default))
+            assert row.group(1) == shown, f"{f.name}: README says {row.group(1)}, code says {shown}"
+
+
+def test_every_flag_in_the_readme_exists():
+    parser_flags = {a for action in train_fsdp.build_arg_parser()._actions for a in action.option_strings}
+    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", README))
+    assert mentioned - known == set()
