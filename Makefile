@@ -12,7 +12,7 @@ endif
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline sample test clean
+.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep sample test clean
 
 # Each training target ends with the synthetic-task demonstration (sample.py --demo).
 train-free-fsdp:
@@ -30,6 +30,16 @@ train-free:
 train-baseline:
 	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir runs/baseline-$(STAMP) $(ARGS)
 	$(PYTHON) sample.py --ckpt runs/baseline-$(STAMP) --demo
+
+# Free-bits sweep on the synthetic task: kappa in bits per token (converted to nats).
+KAPPA_BITS ?= 0.015625 0.125 0.5 2 4
+kappa-sweep:
+	@for k in $(KAPPA_BITS); do \
+	  nats=$$($(PYTHON) -c "import math; print($$k * math.log(2))"); \
+	  $(TORCHRUN) train_fsdp.py $(TASK) --arch free --kappa $$nats --out-dir runs/kappa-$$k-$(STAMP) $(ARGS) || exit 1; \
+	  $(PYTHON) sample.py --ckpt runs/kappa-$$k-$(STAMP) --demo || exit 1; \
+	done; \
+	$(PYTHON) sample.py --summarize $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) | tee runs/kappa-sweep-$(STAMP).md
 
 # Sample from a run: make sample CKPT=runs/free-fsdp-... [SAMPLE_ARGS="--fixed-z --prompt K>"]
 sample:

@@ -31,14 +31,16 @@ def opt(default, help, choices=None):
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("synthetic", "'synthetic' (built-in task), a .txt file, a directory of .txt files or a .jsonl "
-                       "file with a \"text\" field")
+    dataset: str = opt("synthetic", "'synthetic' (built-in task), 'random' (uniform random tokens, for benchmarks), "
+                       "a .txt file, a directory of .txt files or a .jsonl file with a \"text\" field")
     val_path: str = opt("", "separate validation corpus (same kinds); empty = hold out --val-fraction of the tokens")
     val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no --val-path), in (0, 0.5]")
     tokenizer: str = opt("", "existing SentencePiece .model to use; empty = train one on the corpus")
     tokenizer_type: str = opt("bpe", "kind of tokenizer to train", ["bpe", "unigram", "char"])
-    tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound for char)")
-    seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 for text)")
+    tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound for char) "
+                                    "and of --dataset random")
+    seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 for text "
+                       "and random)")
     cache_dir: str = opt("data_cache", "directory for trained tokenizers and tokenized .bin files")
     synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
     synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
@@ -361,7 +363,7 @@ def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
 def prepare_data(cfg: DataConfig) -> None:
     """Build the token cache for cfg (rank 0 only). A no-op for synthetic data and for an up-to-date cache."""
     check_config(cfg)
-    if cfg.dataset == "synthetic":
+    if cfg.dataset in ("synthetic", "random"):
         return
     train_paths, val_paths, model, inputs = resolve_inputs(cfg)
     out = cache_dir_for(cfg)
@@ -396,6 +398,19 @@ def prepare_data(cfg: DataConfig) -> None:
     os.replace(out / "manifest.json.tmp", out / "manifest.json")
 
 
+RANDOM_ROWS = (4096, 64)  # training and validation rows of --dataset random
+
+
+def random_tokens(cfg: DataConfig, seed: int) -> Dataset:
+    """Uniform random token ids: a benchmark input whose loading costs nothing. Nothing to learn
+    beyond the unigram distribution; the loss should sit near log(vocab)."""
+    seq_len, vocab = cfg.seq_len or TEXT_SEQ_LEN, cfg.tokenizer_vocab_size
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    train = np.random.default_rng(seed).integers(0, vocab, RANDOM_ROWS[0] * (seq_len + 1), dtype=dtype)
+    val = np.random.default_rng(SYNTH_VAL_SEED).integers(0, vocab, RANDOM_ROWS[1] * (seq_len + 1), dtype=dtype)
+    return Dataset(train, val, seq_len, seq_len + 1, vocab, seed)
+
+
 def load_data(cfg: DataConfig, seed: int) -> Dataset:
     """The dataset for cfg, read-only; for text, prepare_data must have built the cache first."""
     check_config(cfg)
@@ -403,6 +418,8 @@ def load_data(cfg: DataConfig, seed: int) -> Dataset:
         train = synthetic_rows(cfg.synthetic_train_samples, np.random.default_rng(seed))
         val = synthetic_rows(cfg.synthetic_val_samples, np.random.default_rng(SYNTH_VAL_SEED))
         return Dataset(train.reshape(-1), val.reshape(-1), SYNTH_ROW - 1, SYNTH_ROW, SYNTH_VOCAB, seed)
+    if cfg.dataset == "random":
+        return random_tokens(cfg, seed)
     _, val_paths, _, inputs = resolve_inputs(cfg)
     out = cache_dir_for(cfg)
     manifest = valid_manifest(out, inputs)

@@ -14,6 +14,7 @@ and saved as demo.json and demo_samples.txt in the run directory.
 import argparse
 import collections
 import json
+import math
 import os
 import sys
 
@@ -89,9 +90,27 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
     return summary, samples
 
 
+def summarize(run_dirs):
+    """A Markdown table of runs (e.g. a kappa sweep): kappa, final validation CE and KL, demo."""
+    rows = ["| run | kappa (bits) | val CE | val KL (nats/token) | same start fixed Z | same start fresh Z |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for run in run_dirs:
+        with open(os.path.join(run, "config.json")) as fh:
+            kappa = json.load(fh)["model"]["kappa"]
+        with open(os.path.join(run, "metrics.jsonl")) as fh:
+            val = [r for r in map(json.loads, fh) if "val_ce" in r][-1]
+        with open(os.path.join(run, "demo.json")) as fh:
+            demo = json.load(fh)
+        rows.append(f"| {os.path.basename(run.rstrip('/'))} | {kappa / math.log(2):g} | {val['val_ce']:.4f} | "
+                    f"{val.get('val_kl', 0.0):.4f} | {100 * demo['fixed_z']['same_start_share']:.1f} % | "
+                    f"{100 * demo['fresh_z']['same_start_share']:.1f} % |")
+    return "\n".join(rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or a model.pt")
+    p.add_argument("--ckpt", help="run directory (its latest checkpoint) or a model.pt")
+    p.add_argument("--summarize", nargs="+", metavar="RUN", help="print a table of runs that ran --demo")
     p.add_argument("--prompt", default="", help="text to continue; default: a newline (synthetic: '\\nK>')")
     p.add_argument("--num-samples", type=int, default=8, help="samples in the batch")
     p.add_argument("--max-new-tokens", type=int, default=0, help="tokens to generate; 0 = 64 synthetic, 200 text")
@@ -104,6 +123,11 @@ def main(argv=None):
     p.add_argument("--demo", action="store_true", help="synthetic task: fixed-Z vs fresh-Z block statistics")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return None
+    if not args.ckpt:
+        p.error("--ckpt is required")
     device = torch.device(args.device)
     try:
         model, ckpt = load_model(args.ckpt, device)
@@ -114,7 +138,7 @@ def main(argv=None):
     run_dir = args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(os.path.dirname(os.path.dirname(args.ckpt)))
 
     if args.demo:
-        if sp is not None:
+        if ckpt["config"]["data"]["dataset"] != "synthetic":
             print("no demo: the run is not on the built-in synthetic task")
             return None
         summary, samples = synthetic_demo(model, device, args.seed)

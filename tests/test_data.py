@@ -455,3 +455,15 @@ def test_interrupted_rebuild_never_looks_valid(tmp_path, corpus, monkeypatch):
     prepare_data(cfg)
     ds = load_data(cfg, seed=0)
     assert np.concatenate([ds.train_tokens, ds.val_tokens]).tolist() == ds.encode(corpus.read_text())
+
+
+def test_random_tokens_for_benchmarks():
+    cfg = data.DataConfig(dataset="random", seq_len=64, tokenizer_vocab_size=70000)
+    data.prepare_data(cfg)  # nothing to prepare
+    ds = data.load_data(cfg, seed=3)
+    x, y = ds.train_batch(2, 8, 0, 8)
+    assert x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1])
+    assert ds.vocab_size == 70000 and ds.train_tokens.dtype == np.uint32 and int(x.max()) < 70000
+    assert torch.equal(data.load_data(cfg, seed=3).train_batch(2, 8, 0, 8)[0], x)
+    assert not torch.equal(data.load_data(cfg, seed=4).train_batch(2, 8, 0, 8)[0], x)
+    assert ds.val_batch(0, 100)[0].shape == (data.RANDOM_ROWS[1], 64)
