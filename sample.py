@@ -25,15 +25,21 @@ import model as model_lib
 
 
 def find_checkpoint(path):
-    """A model.pt, or a run directory (its checkpoints/latest)."""
-    if os.path.isdir(path):
+    """The consolidated model.pt of a run directory (its latest checkpoint), of a checkpoint
+    directory, or the file itself."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
         latest = os.path.join(path, "checkpoints", "latest")
         if not os.path.isfile(latest):
             raise FileNotFoundError(f"{path} holds no checkpoints/latest; is it a run directory?")
         with open(latest) as fh:
-            return os.path.join(path, fh.read().strip())
+            path = os.path.join(path, "checkpoints", fh.read().strip())
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "model.pt")):
+            raise FileNotFoundError(f"{path} is a sharded checkpoint without a consolidated model.pt; write one "
+                                    f"with: python train_fsdp.py --export {path}")
+        path = os.path.join(path, "model.pt")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--ckpt {path}: no such file or run directory")
+        raise FileNotFoundError(f"--ckpt {path}: no such file, checkpoint or run directory")
     return path
 
 
@@ -135,7 +141,7 @@ def main(argv=None):
     except (FileNotFoundError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    run_dir = args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(os.path.dirname(os.path.dirname(args.ckpt)))
+    run_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(find_checkpoint(args.ckpt)))))
 
     if args.demo:
         if ckpt["config"]["data"]["dataset"] != "synthetic":

@@ -20,17 +20,26 @@ import functools
 import json
 import math
 import os
+import random
 import resource
+import shutil
+import signal
 import sys
 import time
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP,
                                     MixedPrecision, ShardingStrategy)
@@ -101,12 +110,24 @@ class TrainConfig:
     eval_every: int = opt(100, "validate every N steps (and at the end); 0 = only at the end")
     eval_samples: int = opt(512, "validation sequences per evaluation")
     log_every: int = opt(10, "log metrics every N steps")
-    save_every: int = opt(0, "save a full checkpoint every N steps; 0 = only at the end")
+    skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf instead of stopping")
     out_dir: str = opt("", "run directory; empty = runs/<arch>-<date-time>")
-    overwrite: bool = opt(False, "allow writing into a run directory that already holds a run")
+    overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
     compile: bool = opt(False, "torch.compile the model (forces use_orig_params with FSDP)")
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL and NCCL/gloo debug logging")
+
+
+@dataclass
+class CheckpointConfig:
+    checkpoint_type: str = opt("sharded", "sharded: torch.distributed.checkpoint, every rank writes its shard, "
+                               "reshardable; full: one consolidated file written by rank 0", ["sharded", "full"])
+    save_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)")
+    keep_checkpoints: int = opt(3, "keep the newest K complete checkpoints")
+    full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
+    resume: str = opt("auto", "auto: continue from the run directory's latest complete checkpoint; never: "
+                      "refuse a run directory that holds a run; or a checkpoint directory to continue from")
+    init_from: str = opt("", "start a new run from the weights of this checkpoint (run dir, step dir or model.pt)")
 
 
 @dataclass
@@ -115,6 +136,7 @@ class Config:
     data: data_lib.DataConfig = field(default_factory=data_lib.DataConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # Bundles named as in common FSDP guides. Each sets fields of the sections above.
@@ -132,14 +154,24 @@ PRESETS = {
     "ddp": {"train": {"strategy": "ddp"}},
 }
 
+# Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
+# state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
+for pattern in ("Please use DTensor instead", "_get_pg_default_device", "Multiple backends are registered",
+                "FSDP is switching to use `NO_SHARD`", "When using ``NO_SHARD``", "torch.distributed.checkpoint"):
+    warnings.filterwarnings("ignore", message=f".*{pattern}")
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
-EXIT_BAD_INPUT = 2
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal, checkpoint saved
 
 
 class BadInput(Exception):
     """A mistake in what the user asked for: reported in one line, exit code 2."""
+
+
+class RunFailed(Exception):
+    """The run cannot go on (non-finite loss, a save that failed): one line, exit code 1."""
 
 
 def sections(cfg):
@@ -243,7 +275,7 @@ def parse_config(argv):
 
 def check_ranges(cfg):
     """Numbers outside their range, each reported by its flag before anything is written."""
-    m, t, f = cfg.model, cfg.train, cfg.fsdp
+    m, t, f, c = cfg.model, cfg.train, cfg.fsdp, cfg.checkpoint
     rules = [("global_batch", t.global_batch >= 1, ">= 1"), ("micro_batch", t.micro_batch >= 0, ">= 0"),
              ("max_steps", t.max_steps >= 0, ">= 0"), ("epochs", t.epochs > 0, "> 0"),
              ("lr", t.lr > 0, "> 0"), ("min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
@@ -251,7 +283,8 @@ def check_ranges(cfg):
              ("beta1", 0 <= t.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= t.beta2 < 1, "in [0, 1)"),
              ("grad_clip", t.grad_clip >= 0, ">= 0"), ("eval_every", t.eval_every >= 0, ">= 0"),
              ("eval_samples", t.eval_samples >= 1, ">= 1"), ("log_every", t.log_every >= 1, ">= 1"),
-             ("save_every", t.save_every >= 0, ">= 0"), ("lr_scale_base_batch", t.lr_scale_base_batch >= 0, ">= 0"),
+             ("save_every", cfg.checkpoint.save_every >= 0, ">= 0"),
+             ("keep_checkpoints", cfg.checkpoint.keep_checkpoints >= 1, ">= 1"), ("lr_scale_base_batch", t.lr_scale_base_batch >= 0, ">= 0"),
              ("ac_every", f.ac_every >= 1, ">= 1"), ("min_num_params", f.min_num_params >= 1, ">= 1"),
              ("hybrid_shard_size", f.hybrid_shard_size >= 0, ">= 0"),
              ("n_layer", m.n_layer >= 1, ">= 1"), ("d_model", m.d_model >= 1, ">= 1"),
@@ -262,7 +295,7 @@ def check_ranges(cfg):
              ("rope_theta", m.rope_theta > 0, "> 0"), ("norm_eps", m.norm_eps > 0, "> 0")]
     for name, ok, valid in rules:
         if not ok:
-            value = next(getattr(sec, name) for sec in (m, t, f) if hasattr(sec, name))
+            value = next(getattr(sec, name) for sec in (m, t, f, c) if hasattr(sec, name))
             raise BadInput(f"{flag_name(name)} {value}: must be {valid}")
 
 
@@ -334,8 +367,11 @@ def setup_distributed(cfg):
                                 device_id=device if backend == "nccl" else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
+    # Small control messages (stop flags, error strings) go through gloo on the CPU, so reading
+    # them never waits for the GPU stream.
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return dict(rank=rank, world=world, local_rank=local_rank, local_world=local_world,
-                device=device, backend=backend, owner=owner)
+                device=device, backend=backend, owner=owner, control=control)
 
 
 def check_world(cfg, dist_info):
@@ -364,19 +400,20 @@ def hybrid_shard_size(cfg, dist_info):
 
 
 def agree(fn, rank):
-    """Run fn on rank 0 only (file-system work) and share its error, if any, with every rank,
-    so all ranks exit together instead of the others hanging at the next collective."""
-    err = [None]
+    """Run fn on rank 0 only (file-system work) and share its result or its error with every
+    rank, so all ranks exit together instead of the others hanging at the next collective."""
+    out = [None, None]  # error, result
     if rank == 0:
         try:
-            fn()
-        except (BadInput, data_lib.DataError) as e:
-            err[0] = str(e)
+            out[1] = fn()
+        except (BadInput, RunFailed, data_lib.DataError) as e:
+            out[0] = str(e)
         except OSError as e:  # e.g. --out-dir is a file, a read-only or full disk
-            err[0] = f"{e.strerror}: {e.filename}"
-    dist.broadcast_object_list(err, src=0)
-    if err[0]:
-        raise BadInput(err[0])
+            out[0] = f"{e.strerror}: {e.filename}"
+    dist.broadcast_object_list(out, src=0)
+    if out[0]:
+        raise BadInput(out[0])
+    return out[1]
 
 
 # =============================================================================================
@@ -534,7 +571,8 @@ def precision_context(cfg, device):
 
 def train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_info, loss_fn):
     """One optimizer step over accum micro-batches. Each micro-batch loss is divided by accum,
-    so the summed gradient equals the gradient of the mean loss over the global batch."""
+    so the summed gradient equals the gradient of the mean loss over the global batch.
+    Returns (mean losses, global gradient norm, whether the step was skipped)."""
     rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
     totals = {}
     for m in range(accum):
@@ -553,13 +591,15 @@ def train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_inf
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_gradients(model, cfg.train.grad_clip, cfg.train.strategy)
+    # The norm is global (the same on every rank), so every rank takes the same decision.
+    skipped = cfg.train.skip_nonfinite and scaler is None and not torch.isfinite(grad_norm).item()
     if scaler:
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skips the step itself when the scaled gradients overflowed
         scaler.update()
-    else:
+    elif not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return totals, grad_norm
+    return totals, grad_norm, skipped
 
 
 @torch.no_grad()
@@ -586,26 +626,245 @@ def evaluate(model, data, cfg, dist_info, micro, loss_fn):
     return dict(zip(keys, vec.tolist()))
 
 
-def save_full_checkpoint(model, cfg, run_dir, step, tokens_seen, data, rank):
-    """Consolidated state dict gathered to rank 0 on CPU. Every rank must call this: gathering
-    the shards is a collective. The file loads with torch.load into an unwrapped model."""
-    # cpu_offload gathers to rank 0 only. Parameters already on the CPU skip it: FSDP1 would
-    # free the gathered storage before cloning it (a segfault, seen on torch 2.13 with gloo).
+# =============================================================================================
+# Checkpoints
+#
+# run_dir/checkpoints/step_0000100/   one complete checkpoint, made visible by an atomic rename
+#     meta.json         step, tokens seen, type, world size, config, tokenizer, scaler, file sizes
+#     dcp/              sharded: torch.distributed.checkpoint files (model + optimizer), any world size
+#     model.pt          full: consolidated model (+ optimizer); also written at the end of a sharded run
+#     rng_rank{r}.pt    every RNG state of rank r (torch CPU and CUDA, numpy, Python)
+# run_dir/checkpoints/latest          the newest complete checkpoint's name, written last
+#
+# A save writes into checkpoints/.tmp-step_N and renames it when every rank has finished, so a
+# process killed at any moment leaves the previous checkpoint as latest. FSDP's legacy
+# LOCAL_STATE_DICT is not offered: it is tied to one world size and flattening, and DCP's
+# sharded format supersedes it.
+
+
+def state_options(model, full):
+    """Full state dicts are gathered to rank 0 on CPU (cpu_offload). Parameters that already
+    live on the CPU skip the offload: FSDP1 then frees the gathered storage before cloning it
+    (a segfault, seen on torch 2.13 with gloo), so every rank gathers instead."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
-    state = get_model_state_dict(model, options=options)
-    path = os.path.join(run_dir, "checkpoints", f"step_{step:07d}", "model.pt")
+    return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu)
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path, text):
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def consolidated_payload(state, cfg, step, tokens_seen, data):
+    """The single-file format: torch.load(path)["model"] loads into an unwrapped model."""
+    return {"model": state, "config": dataclasses.asdict(cfg), "step": step, "tokens_seen": tokens_seen,
+            "tokenizer": data.tokenizer_path}
+
+
+def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, data, dist_info, consolidate):
+    """Save on every rank (state dicts and DCP are collectives). `consolidate` also writes the
+    single-file model.pt next to a sharded checkpoint (done at the end of training)."""
+    rank, c = dist_info["rank"], cfg.checkpoint
+    root = os.path.join(run_dir, "checkpoints")
+    name = f"step_{step:07d}"
+    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
     if rank == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        payload = {"model": state, "config": dataclasses.asdict(cfg), "step": step,
-                   "tokens_seen": tokens_seen, "tokenizer": data.tokenizer_path}
-        torch.save(payload, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a reader never sees a half-written file
-        with open(os.path.join(run_dir, "checkpoints", "latest.tmp"), "w") as fh:
-            fh.write(os.path.relpath(path, run_dir) + "\n")
-        os.replace(os.path.join(run_dir, "checkpoints", "latest.tmp"), os.path.join(run_dir, "checkpoints", "latest"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     dist.barrier()
-    return path
+    error = None
+    try:
+        if c.checkpoint_type == "sharded":
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+        if c.checkpoint_type == "full" or consolidate:
+            opts = state_options(model, full=True)
+            full = consolidated_payload(get_model_state_dict(model, options=opts), cfg, step, tokens_seen, data)
+            if c.checkpoint_type == "full" and c.full_optimizer:
+                full["optim"] = get_optimizer_state_dict(model, optimizer, options=opts)
+            if rank == 0:
+                torch.save(full, os.path.join(tmp, "model.pt"))
+                fsync_path(os.path.join(tmp, "model.pt"))
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        fsync_path(os.path.join(tmp, f"rng_rank{rank}.pt"))
+    except Exception as e:  # a full disk on one rank must stop every rank, not hang them
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [None] * dist_info["world"]
+    dist.all_gather_object(errors, error, group=dist_info["control"])
+    errors = [e for e in errors if e]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunFailed(f"saving the checkpoint of step {step} failed ({errors[0].splitlines()[0]}); "
+                        f"the previous checkpoint is intact")
+    if rank == 0:
+        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                 for d, _, fs in os.walk(tmp) for f in fs}
+        meta = {"step": step, "tokens_seen": tokens_seen, "type": c.checkpoint_type, "world_size": dist_info["world"],
+                "config": dataclasses.asdict(cfg), "tokenizer": data.tokenizer_path,
+                "scaler": scaler.state_dict() if scaler else None, "files": files}
+        write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        if os.path.exists(final):  # the same step saved again (after a resume): swap, then delete
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        fsync_path(root)
+        write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        for old in complete_checkpoints(root)[c.keep_checkpoints:]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def complete_checkpoints(root):
+    """Names of renamed (complete) checkpoint directories, newest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".old")), reverse=True)
+
+
+def check_checkpoint(path):
+    """The checkpoint's meta if every file it lists is there with its size, else raise RunFailed."""
+    try:
+        with open(os.path.join(path, "meta.json")) as fh:
+            meta = json.load(fh)
+        for rel, size in meta["files"].items():
+            actual = os.path.getsize(os.path.join(path, rel))
+            if actual != size:
+                raise RunFailed(f"{rel} has {actual} bytes, {size} expected (truncated?)")
+        return meta
+    except RunFailed as e:
+        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {e}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {type(e).__name__}: {e}")
+
+
+def find_resume_checkpoint(run_dir, notes):
+    """The latest complete checkpoint of a run directory, falling back to older ones (saying so)
+    when the newest is corrupted. None when there is none."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = complete_checkpoints(root)
+    try:
+        with open(os.path.join(root, "latest")) as fh:
+            latest = fh.read().strip()
+        names = [latest] + [n for n in names if n != latest]
+    except OSError:
+        pass
+    for name in names:
+        try:
+            check_checkpoint(os.path.join(root, name))
+            return os.path.join(root, name)
+        except RunFailed as e:
+            notes.append(f"{e}; trying an older checkpoint")
+    return None
+
+
+def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
+    """Restore model, optimizer, scaler and RNG states; returns (step, tokens_seen). A sharded
+    checkpoint loads at any world size and sharding strategy (DCP reshards)."""
+    meta = check_checkpoint(path)
+    if meta["type"] == "sharded":
+        # get_optimizer_state_dict initialises empty optimizer state first, so DCP has tensors to
+        # load into even before the first step (otherwise resharding fails on missing keys).
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    else:
+        payload = torch.load(os.path.join(path, "model.pt"), map_location="cpu", mmap=True, weights_only=True)
+        if "optim" not in payload:
+            raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); start a new run "
+                            "from its weights with --init-from instead")
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, payload["model"], options=opts)
+        set_optimizer_state_dict(model, optimizer, payload["optim"], options=opts)
+    if scaler and meta["scaler"]:
+        scaler.load_state_dict(meta["scaler"])
+    rng_file = os.path.join(path, f"rng_rank{dist_info['rank']}.pt")
+    if meta["world_size"] == dist_info["world"]:
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:  # other ranks, other streams: seed them from the step so the run stays reproducible
+        torch.manual_seed(cfg.train.seed + dist_info["rank"] + 1_000_003 * meta["step"])
+    return meta["step"], meta["tokens_seen"], meta
+
+
+def checkpoint_weights(path):
+    """(kind, location) of the weights of a run dir, a step dir or a model.pt, for --init-from."""
+    if os.path.isfile(path):
+        return "full", path
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        found = find_resume_checkpoint(path, [])
+        if found is None:
+            raise BadInput(f"--init-from {path}: the run directory holds no complete checkpoint")
+        path = found
+    if os.path.isfile(os.path.join(path, "model.pt")):
+        return "full", os.path.join(path, "model.pt")
+    if os.path.isdir(os.path.join(path, "dcp")):
+        return "sharded", os.path.join(path, "dcp")
+    raise BadInput(f"--init-from {path}: not a checkpoint (no model.pt or dcp/ inside)")
+
+
+def init_weights_from(path, model, shapes):
+    """Load only the model weights of a checkpoint (fresh optimizer, step 0). `shapes` are the
+    unwrapped model's parameter shapes by name; mismatches are reported by name."""
+    kind, where = checkpoint_weights(path)
+    if kind == "full":
+        state = torch.load(where, map_location="cpu", mmap=True, weights_only=True)["model"]
+        theirs = {k: tuple(v.shape) for k, v in state.items()}
+    else:
+        metadata = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+        theirs = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
+                  if k.startswith("model.") and hasattr(m, "size")}
+    problems = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in shapes.items() if n in theirs and theirs[n] != s]
+    problems += [f"{n}: missing in the checkpoint" for n in shapes if n not in theirs]
+    if problems:
+        raise BadInput(f"--init-from {path}: shapes do not match: " + "; ".join(problems[:8]) +
+                       (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+    if kind == "full":
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(model, state["model"])
+
+
+def export_checkpoint(path):
+    """Sharded checkpoint -> the single-file model.pt beside it, in one process (no FSDP)."""
+    meta = check_checkpoint(path)
+    if meta["type"] != "sharded":
+        raise BadInput(f"--export {path}: already a full checkpoint (model.pt)")
+    tmp = os.path.join(path, "export.tmp")
+    dcp_to_torch_save(os.path.join(path, "dcp"), tmp)  # DCP's own format utility
+    state = torch.load(tmp, weights_only=False)
+    payload = {"model": state["model"], "config": meta["config"], "step": meta["step"],
+               "tokens_seen": meta["tokens_seen"], "tokenizer": meta["tokenizer"]}
+    torch.save(payload, tmp)
+    os.replace(tmp, os.path.join(path, "model.pt"))
+    return os.path.join(path, "model.pt")
 
 
 # =============================================================================================
@@ -650,38 +909,120 @@ class RunLog:
             self.jsonl.flush()
 
 
+# A resume may not change what the run computes; other changes (logging, max_steps, FSDP
+# knobs, world size) are allowed and logged.
+RESUME_FIXED = {"model": None, "data": None,  # None: every key but those in RESUME_FREE
+                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
+                          "weight_decay", "beta1", "beta2", "grad_clip"}}
+RESUME_FREE = {"mapper_chunk", "size", "cache_dir"}
+
+
+def config_changes(old, new):
+    """(refused, allowed): 'section.key: old -> new' for every difference between two configs."""
+    refused, allowed = [], []
+    for section, table in new.items():
+        for key, value in table.items():
+            before = old.get(section, {}).get(key)
+            if before == value:
+                continue
+            fixed = RESUME_FIXED.get(section, set())
+            refuse = key not in RESUME_FREE and (fixed is None or key in fixed)
+            (refused if refuse else allowed).append(f"{section}.{key}: {before!r} -> {value!r}")
+    return refused, allowed
+
+
 def prepare_run_dir(cfg, rank):
-    """Create the run directory; refuse one that holds another run unless --overwrite."""
+    """Create the run directory and decide what to resume from. Returns (run_dir, checkpoint
+    to resume or None, notes to log). A run directory that holds a run is continued
+    (--resume auto) when the config matches, refused otherwise, restarted with --overwrite."""
     if not cfg.train.out_dir:
         stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
         dist.broadcast_object_list(stamp, src=0)  # one name for all ranks
         cfg.train.out_dir = os.path.join("runs", f"{cfg.model.arch}-{stamp[0]}")
-    run_dir = cfg.train.out_dir
+    run_dir, c = cfg.train.out_dir, cfg.checkpoint
 
-    def make():
-        if os.path.exists(os.path.join(run_dir, "config.json")) and not cfg.train.overwrite:
-            raise BadInput(f"--out-dir {run_dir} already holds a run (config.json); choose another "
-                           "directory or pass --overwrite")
+    def decide():
+        config_path, notes, resume, old = os.path.join(run_dir, "config.json"), [], None, None
+        holds_run = os.path.exists(config_path)
+        if c.resume not in ("auto", "never"):
+            resume = c.resume.rstrip("/")
+            old = check_checkpoint(resume)["config"]
+        elif holds_run and cfg.train.overwrite:
+            shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+            notes.append(f"--overwrite: starting {run_dir} afresh (its checkpoints were deleted)")
+        elif holds_run and c.resume == "never":
+            raise BadInput(f"--out-dir {run_dir} already holds a run; pass --resume auto to continue it or "
+                           "--overwrite to start afresh")
+        elif holds_run:
+            resume = find_resume_checkpoint(run_dir, notes)
+            try:
+                with open(config_path) as fh:
+                    old = check_checkpoint(resume)["config"] if resume else json.load(fh)
+            except ValueError:
+                raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
+                               "another directory or pass --overwrite")
+        if old is not None:
+            refused, allowed = config_changes(old, dataclasses.asdict(cfg))
+            if refused:
+                raise BadInput(f"--out-dir {run_dir} already holds a run with another config ({'; '.join(refused)}); "
+                               "resuming would silently change it: choose another directory or pass --overwrite")
+            notes += [f"changed on resume: {line}" for line in allowed]
         os.makedirs(run_dir, exist_ok=True)
-        for name in ("metrics.jsonl", "training_log.txt"):
-            if os.path.exists(os.path.join(run_dir, name)):
-                os.remove(os.path.join(run_dir, name))
-        with open(os.path.join(run_dir, "config.json"), "w") as fh:
-            json.dump(dataclasses.asdict(cfg), fh, indent=2)
-    agree(make, rank)
-    return run_dir
+        start = check_checkpoint(resume)["step"] if resume else 0
+        keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), start)
+        if not resume and os.path.exists(os.path.join(run_dir, "training_log.txt")):
+            os.remove(os.path.join(run_dir, "training_log.txt"))
+        for name in os.listdir(os.path.join(run_dir, "checkpoints")) if os.path.isdir(
+                os.path.join(run_dir, "checkpoints")) else []:
+            if name.startswith(".tmp-"):  # left by a save that was killed
+                shutil.rmtree(os.path.join(run_dir, "checkpoints", name), ignore_errors=True)
+        write_text_atomic(config_path, json.dumps(dataclasses.asdict(cfg), indent=2))
+        return resume, notes
+
+    resume, notes = agree(decide, rank)
+    return run_dir, resume, notes
+
+
+def keep_metric_lines(path, last_step):
+    """Drop metric records after the step a run restarts from, so each step appears once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    write_text_atomic(path, "".join(keep))
 
 
 # =============================================================================================
 # main
 
 
+class Preempted(Exception):
+    """SIGTERM/SIGUSR1 arrived: the checkpoint is saved, exit with EXIT_PREEMPTED."""
+
+
+def install_stop_handlers():
+    """SIGTERM and SIGUSR1 (Slurm sends them before preemption or the time limit) only set a
+    flag; every rank then finishes its step, saves and exits together."""
+    flag = {"signal": 0}
+
+    def handler(signum, frame):
+        flag["signal"] = signum
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    return flag, previous
+
+
 def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dataset=load_dataset):
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
+        if len(argv) != 2:
+            raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
+        print(f"wrote {export_checkpoint(argv[1])}")
+        return None
+    cfg = parse_config(argv)
     check_config(cfg)
     dist_info = setup_distributed(cfg)
     rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
-    t, f = cfg.train, cfg.fsdp
+    t, f, c = cfg.train, cfg.fsdp, cfg.checkpoint
 
     micro, accum = check_world(cfg, dist_info)
     if t.compile and t.strategy == "fsdp" and not f.use_orig_params:
@@ -694,7 +1035,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:
         raise BadInput(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's {data.vocab_size}")
-    run_dir = prepare_run_dir(cfg, rank)
+    if c.init_from:
+        agree(lambda: checkpoint_weights(c.init_from), rank)  # a bad path fails before anything is written
+    run_dir, resume, notes = prepare_run_dir(cfg, rank)
     log = RunLog(run_dir, rank)
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -704,6 +1047,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     with torch.device("meta") if f.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
     decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, getattr(model, "init_module", None))
@@ -717,6 +1061,17 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     scaler = None
     if fp16:
         scaler = ShardedGradScaler(device.type) if t.strategy == "fsdp" else torch.amp.GradScaler(device.type)
+
+    start_step, tokens_seen = 0, 0
+    for note in notes:
+        log.line(note)
+    if resume:
+        start_step, tokens_seen, meta = load_checkpoint(resume, model, optimizer, scaler, cfg, dist_info)
+        log.line(f"resumed from {resume} (step {start_step}, saved by {meta['world_size']} processes"
+                 + ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")
+    elif c.init_from:
+        init_weights_from(c.init_from, model, shapes)
+        log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
 
     tokens_per_step = t.global_batch * data.seq_len
     flops_tok = model_lib.flops_per_token(cfg.model, data.seq_len)
@@ -734,7 +1089,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                  "(norm weights too); pass --use-orig-params to exempt 1-D weights")
     if peak is None and device.type == "cuda":
         log.line(f"MFU not reported: unknown bf16 peak for {torch.cuda.get_device_name(device)}")
-    log.line(f"run directory: {run_dir}")
+    log.line(f"run directory: {run_dir} | checkpoints: {c.checkpoint_type}")
 
     profiler = None
     if t.profile:
@@ -743,59 +1098,88 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(run_dir, f"trace_rank{rank}.json")))
         profiler.start()
 
+    stop_flag, previous_handlers = install_stop_handlers()
+    # The first step whose loss is not finite, tracked on the device without a sync per step
+    # and checked (a collective) at log steps and before every save.
+    never = 2 ** 62
+    first_bad = torch.tensor(never, device=device)
+
+    def check_finite():
+        worst = first_bad.clone()
+        dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+        if worst.item() != never:
+            raise RunFailed(f"the loss became NaN/inf at step {worst.item()}; stopped without saving that state "
+                            f"(the latest checkpoint is still the last good one); lower --lr or pass "
+                            "--skip-nonfinite")
+
     model.train()
-    tokens_seen, window_start, window_steps = 0, time.perf_counter(), 0
-    bar = tqdm(total=max_steps, disable=rank != 0, dynamic_ncols=True, desc="train")
+    window_start, window_steps = time.perf_counter(), 0
+    bar = tqdm(total=max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="train")
     val = {}
-    for step in range(max_steps):
-        lr = lr_at(step, peak_lr, cfg, max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        totals, grad_norm = train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_info,
-                                       compute_loss)
-        tokens_seen += tokens_per_step
-        window_steps += 1
-        bar.update(1)
+    try:
+        for step in range(start_step, max_steps):
+            lr = lr_at(step, peak_lr, cfg, max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            totals, grad_norm, skipped = train_step(model, optimizer, scaler, data, step, accum, micro, cfg,
+                                                    dist_info, compute_loss)
+            if skipped:
+                log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
+            elif scaler is None and not t.skip_nonfinite:
+                bad = ~torch.isfinite(totals["loss"]) & (first_bad == never)
+                first_bad = torch.where(bad, torch.tensor(step + 1, device=device), first_bad)
+            tokens_seen += tokens_per_step
+            window_steps += 1
+            bar.update(1)
+            if profiler:
+                profiler.step()
+            stop = torch.tensor([stop_flag["signal"]])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=dist_info["control"])
+            last = step == max_steps - 1
+            if (step + 1) % t.log_every == 0 or last:
+                check_finite()
+                keys = sorted(totals)
+                vec = torch.stack([totals[k] for k in keys]) / world
+                dist.all_reduce(vec)  # every rank, every log step: it is a collective
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - window_start
+                step_time = elapsed / window_steps
+                mem = torch.tensor(memory_stats(device), device=device)
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+                rec = {"step": step + 1, **dict(zip(keys, vec.tolist())), "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                       "tokens_seen": tokens_seen, "mem_alloc_gib": mem[0].item(),
+                       "mem_reserved_gib": mem[1].item(), "mem_peak_gib": mem[2].item()}
+                if peak and flops_tok:
+                    rec["mfu"] = flops_tok * rec["tokens_per_s"] / world / peak
+                log.metrics(rec)
+                parts = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
+                log.line(f"step {step + 1:>6} | {parts} | lr {lr:.2e} | gnorm {rec['grad_norm']:.3f} | "
+                         f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * step_time:.0f} ms/step" +
+                         (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
+                         f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
+                window_start, window_steps = time.perf_counter(), 0
+            if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+                val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
+                log.metrics({"step": step + 1, **{f"val_{k}": v for k, v in val.items()}})
+                log.line(f"step {step + 1:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+                window_start = time.perf_counter()  # keep evaluation out of the throughput
+            if (c.save_every and (step + 1) % c.save_every == 0) or last or stop.item():
+                check_finite()  # never save a state that has seen a non-finite loss
+                path = save_checkpoint(model, optimizer, scaler, cfg, run_dir, step + 1, tokens_seen, data,
+                                       dist_info, consolidate=last)
+                log.line(f"saved {path}")
+                window_start = time.perf_counter()
+            if stop.item() and not last:
+                raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "
+                                f"exiting with code {EXIT_PREEMPTED}; run the same command again to resume")
+    finally:
+        bar.close()
         if profiler:
-            profiler.step()
-        last = step == max_steps - 1
-        if (step + 1) % t.log_every == 0 or last:
-            keys = sorted(totals)
-            vec = torch.stack([totals[k] for k in keys]) / world
-            dist.all_reduce(vec)  # every rank, every log step: it is a collective
-            if not torch.isfinite(vec).all():
-                raise FloatingPointError(f"loss is {vec.tolist()} at step {step + 1}; stopping without saving")
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - window_start
-            step_time = elapsed / window_steps
-            mem = torch.tensor(memory_stats(device), device=device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            rec = {"step": step + 1, **dict(zip(keys, vec.tolist())), "lr": lr, "grad_norm": float(grad_norm),
-                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                   "tokens_seen": tokens_seen, "mem_alloc_gib": mem[0].item(), "mem_reserved_gib": mem[1].item(),
-                   "mem_peak_gib": mem[2].item()}
-            if peak and flops_tok:
-                rec["mfu"] = flops_tok * rec["tokens_per_s"] / world / peak
-            log.metrics(rec)
-            parts = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
-            log.line(f"step {step + 1:>6} | {parts} | lr {lr:.2e} | gnorm {rec['grad_norm']:.3f} | "
-                     f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * step_time:.0f} ms/step" +
-                     (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
-                     f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
-            window_start, window_steps = time.perf_counter(), 0
-        if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
-            val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
-            log.metrics({"step": step + 1, **{f"val_{k}": v for k, v in val.items()}})
-            log.line(f"step {step + 1:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
-            window_start = time.perf_counter()  # keep evaluation out of the throughput
-        if (t.save_every and (step + 1) % t.save_every == 0) or last:
-            path = save_full_checkpoint(model, cfg, run_dir, step + 1, tokens_seen, data, rank)
-            log.line(f"saved {path}")
-            window_start = time.perf_counter()
-    bar.close()
-    if profiler:
-        profiler.stop()
+            profiler.stop()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     dist.barrier()
     if dist_info["owner"]:
@@ -804,15 +1188,22 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
 
 
 def run():
-    """Command-line entry: bad input -> one line on stderr (rank 0) and exit code 2."""
+    """Command-line entry. Bad input: one line on stderr (rank 0), exit 2. A run that cannot go
+    on: one line, exit 1. Stopped by SIGTERM/SIGUSR1 after saving: exit 3 (requeue me)."""
+    code, message = 0, None
     try:
         main()
     except BadInput as e:
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(EXIT_BAD_INPUT)
+        code, message = EXIT_BAD_INPUT, f"error: {e}"
+    except RunFailed as e:
+        code, message = EXIT_FAILED, f"error: {e}"
+    except Preempted as e:
+        code, message = EXIT_PREEMPTED, str(e)
+    if message and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        print(message, file=sys.stderr)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -389,7 +389,7 @@ def test_shipped_config_files_are_valid(path, extra):
 
 
 def test_config_dataclasses_are_the_sections():
-    assert set(T.sections(T.Config())) == {"model", "data", "fsdp", "train"}
+    assert set(T.sections(T.Config())) == {"model", "data", "fsdp", "train", "checkpoint"}
     hints = typing.get_type_hints(T.Config)
     assert all(dataclasses.is_dataclass(hints[name]) for name in T.sections(T.Config()))
 
@@ -569,8 +569,8 @@ def check_run_dir(run_dir, expected_cfg, steps):
     assert any("val_loss" in r for r in records)
     assert (run_dir / "training_log.txt").read_text().strip()
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"checkpoints/step_{steps:07d}/model.pt"
-    payload = torch.load(run_dir / latest)
+    assert latest == f"step_{steps:07d}"
+    payload = torch.load(run_dir / "checkpoints" / latest / "model.pt")
     assert payload["step"] == steps and payload["config"] == config
     model = model_lib.build_model(model_lib.ModelConfig(**payload["config"]["model"]))
     model.load_state_dict(payload["model"])  # strict: every key and shape matches

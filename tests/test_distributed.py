@@ -192,7 +192,7 @@ def test_full_state_dict_loads_into_unwrapped_model(two):
     which then gives the validation loss the FSDP run reported."""
     losses, val, run_dir = two["FULL_SHARD-module"]
     with open(os.path.join(run_dir, "checkpoints", "latest")) as fh:
-        ckpt = torch.load(os.path.join(run_dir, fh.read().strip()))
+        ckpt = torch.load(os.path.join(run_dir, "checkpoints", fh.read().strip(), "model.pt"))
     cfg = model_lib.ModelConfig(**ckpt["config"]["model"])
     model = model_lib.build_model(cfg)
     model.load_state_dict(ckpt["model"])
