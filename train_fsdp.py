@@ -192,7 +192,10 @@ class OneLineParser(argparse.ArgumentParser):
 def build_arg_parser():
     parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a flag; "
                            "--config FILE.toml sets the same fields by [section].", allow_abbrev=False)
-    parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train] tables")
+    parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train], "
+                        "[checkpoint] tables")
+    parser.add_argument("--export", metavar="CHECKPOINT_DIR", default=argparse.SUPPRESS,
+                        help="write CHECKPOINT_DIR/model.pt from a sharded checkpoint, then exit (given alone)")
     for section, obj in sections(Config()).items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(obj):
@@ -227,6 +230,8 @@ def set_field(cfg, section, key, value, source):
 
 def parse_config(argv):
     args = vars(build_arg_parser().parse_args(argv))
+    if "export" in args:
+        raise BadInput("--export takes a checkpoint directory and no other flag")
     config_path = args.pop("config")
     cli = {}
     for dest, value in args.items():
