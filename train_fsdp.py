@@ -123,6 +123,7 @@ class CheckpointConfig:
     checkpoint_type: str = opt("sharded", "sharded: torch.distributed.checkpoint, every rank writes its shard, "
                                "reshardable; full: one consolidated file written by rank 0", ["sharded", "full"])
     save_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)")
+    save_final: bool = opt(True, "save a checkpoint at the end (benchmarks turn it off)")
     keep_checkpoints: int = opt(3, "keep the newest K complete checkpoints")
     full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
     resume: str = opt("auto", "auto: continue from the run directory's latest complete checkpoint; never: "
@@ -577,12 +578,15 @@ def precision_context(cfg, device):
 def train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_info, loss_fn):
     """One optimizer step over accum micro-batches. Each micro-batch loss is divided by accum,
     so the summed gradient equals the gradient of the mean loss over the global batch.
-    Returns (mean losses, global gradient norm, whether the step was skipped)."""
+    Returns (mean losses, global gradient norm, whether the step was skipped, seconds spent
+    fetching batches on this rank)."""
     rank, world, device = dist_info["rank"], dist_info["world"], dist_info["device"]
-    totals = {}
+    totals, data_time = {}, 0.0
     for m in range(accum):
         start = (m * world + rank) * micro
+        t0 = time.perf_counter()
         x, y = (t.to(device, non_blocking=True) for t in data.train_batch(step, cfg.train.global_batch, start, micro))
+        data_time += time.perf_counter() - t0
         last = m == accum - 1
         skip_sync = not last and cfg.train.grad_accum_mode == "no_sync" and cfg.train.strategy != "none"
         # no_sync must cover both forward and backward of the micro-batch.
@@ -604,7 +608,7 @@ def train_step(model, optimizer, scaler, data, step, accum, micro, cfg, dist_inf
     elif not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return totals, grad_norm, skipped
+    return totals, grad_norm, skipped, data_time
 
 
 @torch.no_grad()
@@ -1071,9 +1075,11 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     for note in notes:
         log.line(note)
     if resume:
+        t0 = time.perf_counter()
         start_step, tokens_seen, meta = load_checkpoint(resume, model, optimizer, scaler, cfg, dist_info)
-        log.line(f"resumed from {resume} (step {start_step}, saved by {meta['world_size']} processes"
-                 + ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")
+        log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {start_step}, saved by "
+                 f"{meta['world_size']} processes" +
+                 ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")
     elif c.init_from:
         init_weights_from(c.init_from, model, shapes)
         log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
@@ -1118,7 +1124,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                             "--skip-nonfinite")
 
     model.train()
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
     bar = tqdm(total=max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="train")
     val = {}
     try:
@@ -1126,8 +1132,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             lr = lr_at(step, peak_lr, cfg, max_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            totals, grad_norm, skipped = train_step(model, optimizer, scaler, data, step, accum, micro, cfg,
-                                                    dist_info, compute_loss)
+            totals, grad_norm, skipped, data_time = train_step(model, optimizer, scaler, data, step, accum, micro,
+                                                               cfg, dist_info, compute_loss)
+            window_data += data_time
             if skipped:
                 log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
             elif scaler is None and not t.skip_nonfinite:
@@ -1154,7 +1161,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 dist.all_reduce(mem, op=dist.ReduceOp.MAX)
                 rec = {"step": step + 1, **dict(zip(keys, vec.tolist())), "lr": lr, "grad_norm": float(grad_norm),
                        "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                       "tokens_seen": tokens_seen, "mem_alloc_gib": mem[0].item(),
+                       "data_fraction": window_data / elapsed, "tokens_seen": tokens_seen,
+                       "mem_alloc_gib": mem[0].item(),
                        "mem_reserved_gib": mem[1].item(), "mem_peak_gib": mem[2].item()}
                 if peak and flops_tok:
                     rec["mfu"] = flops_tok * rec["tokens_per_s"] / world / peak
@@ -1164,17 +1172,18 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                          f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * step_time:.0f} ms/step" +
                          (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
                          f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
             if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
                 val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
                 log.metrics({"step": step + 1, **{f"val_{k}": v for k, v in val.items()}})
                 log.line(f"step {step + 1:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
                 window_start = time.perf_counter()  # keep evaluation out of the throughput
-            if (c.save_every and (step + 1) % c.save_every == 0) or last or stop.item():
+            if (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final) or stop.item():
                 check_finite()  # never save a state that has seen a non-finite loss
+                t0 = time.perf_counter()
                 path = save_checkpoint(model, optimizer, scaler, cfg, run_dir, step + 1, tokens_seen, data,
                                        dist_info, consolidate=last)
-                log.line(f"saved {path}")
+                log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
                 window_start = time.perf_counter()
             if stop.item() and not last:
                 raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "

@@ -1,0 +1,164 @@
+"""Benchmark harness: the real training step of train_fsdp.py over a matrix of settings.
+
+    python bench.py --suite single      # one GPU: ~1B baseline and Free Transformer, eager and compiled
+    python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation, offload
+    python bench.py --suite capacity    # largest model that trains: FULL_SHARD + AC vs DDP
+    make bench SUITE=multi
+
+Every entry is a torchrun launch of train_fsdp.py on `--dataset random` (uniform tokens, so
+loading costs nothing), with a metrics line every step (each one CUDA-synchronised). The
+first WARMUP steps (allocator warm-up, compilation) are dropped and the median of the rest is
+reported: step time, tokens/s per GPU, MFU against the bf16 dense peak (989 TFLOP/s on H100 and
+H200) and against a measured 8192^3 bf16 GEMM rate, peak allocated and reserved memory per
+GPU (max over ranks) and the fraction of step time spent fetching batches. Results go to
+OUT/bench.json and OUT/bench.md.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import model as model_lib
+
+WARMUP = 4
+BASE = ["--dataset", "random", "--tokenizer-vocab-size", "32000", "--seq-len", "2048", "--log-every", "1",
+        "--eval-every", "0", "--eval-samples", "8", "--no-save-final", "--warmup-steps", "2", "--lr", "3e-4",
+        "--overwrite"]
+ONE_B = ["--size", "1b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
+
+
+def suite(name, ngpu):
+    """(entry name, processes, extra flags, steps) for each run of a suite."""
+    per_gpu = ["--micro-batch", "8", "--global-batch", str(8 * ngpu)]
+    if name == "single":
+        one = ["--micro-batch", "8", "--global-batch", "8"]
+        return [("1b baseline eager", 1, ONE_B + one, 12),
+                ("1b free eager", 1, ONE_B + one + ["--arch", "free"], 12),
+                ("1b baseline compile", 1, ONE_B + one + ["--compile"], 14),
+                ("1b free compile", 1, ONE_B + one + ["--arch", "free", "--compile"], 14)]
+    if name == "multi":
+        runs = [("1 GPU FULL_SHARD", 1, ONE_B + ["--micro-batch", "8", "--global-batch", "8"], 10),
+                ("FULL_SHARD", ngpu, ONE_B + per_gpu, 10),
+                ("SHARD_GRAD_OP", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "SHARD_GRAD_OP"], 10),
+                ("NO_SHARD", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "NO_SHARD"], 10),
+                ("HYBRID_SHARD 2x2", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "HYBRID_SHARD",
+                                                              "--hybrid-shard-size", "2"], 10),
+                ("DDP", ngpu, [a for a in ONE_B if a != "--meta-init"] + per_gpu + ["--strategy", "ddp"], 10),
+                ("BACKWARD_POST", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "BACKWARD_POST"], 10),
+                ("prefetch NONE", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "NONE"], 10),
+                ("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
+                ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
+                ("AC every block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing"], 10),
+                ("AC every 2nd block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing", "--ac-every", "2"], 10),
+                ("accum 2 no_sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu)], 10),
+                ("accum 2 sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
+                                                "--grad-accum-mode", "sync"], 10),
+                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7)]
+        return runs
+    if name == "capacity":
+        runs = []
+        for size in ("1.5b", "8b"):
+            model = ["--size", size, "--arch", "baseline", "--micro-batch", "2", "--global-batch", str(2 * ngpu)]
+            runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
+            runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
+        runs.append(("8b free FULL_SHARD+AC", ngpu, ["--size", "8b", "--arch", "free", "--meta-init",
+                                                      "--activation-checkpointing", "--micro-batch", "2",
+                                                      "--global-batch", str(2 * ngpu)], 7))
+        return runs
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, capacity")
+
+
+def gemm_tflops():
+    """Measured bf16 rate of an 8192^3 matrix product (TFLOP/s), the practical ceiling."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
+
+
+def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm):
+    run_dir = os.path.join(out, name.replace(" ", "_").replace("+", "_"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "train_fsdp.py", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    row = {"name": name, "gpus": nproc, "flags": " ".join(flags), "wall_s": round(time.perf_counter() - t0, 1)}
+    with open(run_dir + ".log", "w") as fh:
+        fh.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        oom = any("out of memory" in line.lower() for line in tail)
+        return {**row, "error": "OOM" if oom else (tail[-1][:200] if tail else f"exit {proc.returncode}")}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        recs = [r for r in map(json.loads, fh) if "loss" in r][WARMUP:]
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    mcfg = model_lib.resolve_model_config(model_lib.ModelConfig(**cfg["model"]))
+    seq = cfg["data"]["seq_len"]
+    step = statistics.median(r["step_time_s"] for r in recs)
+    tok_gpu = cfg["train"]["global_batch"] * seq / step / nproc
+    flops = model_lib.flops_per_token(mcfg, seq) * tok_gpu
+    return {**row, "step_ms": round(1000 * step, 1), "tokens_per_s_per_gpu": round(tok_gpu),
+            "mfu": round(flops / (peak_tflops * 1e12), 4), "mfu_of_gemm": round(flops / (gemm * 1e12), 4),
+            "peak_alloc_gib": round(max(r["mem_peak_gib"] for r in recs), 2),
+            "reserved_gib": round(max(r["mem_reserved_gib"] for r in recs), 2),
+            "data_fraction": round(statistics.median(r["data_fraction"] for r in recs), 5),
+            "loss_last": round(recs[-1]["loss"], 4)}
+
+
+def markdown(rows, header):
+    lines = [header, "", "| run | GPUs | step ms | tokens/s/GPU | MFU (989) | MFU (GEMM) | peak alloc GiB | "
+             "reserved GiB | data % |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['error']} | | | | | | |")
+        else:
+            lines.append(f"| {r['name']} | {r['gpus']} | {r['step_ms']} | {r['tokens_per_s_per_gpu']:,} | "
+                         f"{100 * r['mfu']:.1f}% | {100 * r['mfu_of_gemm']:.1f}% | {r['peak_alloc_gib']} | "
+                         f"{r['reserved_gib']} | {100 * r['data_fraction']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--suite", default="single", help="single, multi or capacity")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
+    p.add_argument("--only", default="", help="run only entries whose name contains this")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py measures GPUs; no CUDA device here")
+    os.makedirs(args.out, exist_ok=True)
+    ngpu = torch.cuda.device_count()
+    card = torch.cuda.get_device_name(0)
+    gemm = gemm_tflops()
+    header = (f"{args.suite} suite, {ngpu} x {card}, torch {torch.__version__}, measured bf16 GEMM "
+              f"{gemm:.0f} TFLOP/s, {time.strftime('%Y-%m-%d')}, sequence 2048, vocabulary 32000")
+    print(header, flush=True)
+    rows = []
+    for name, nproc, flags, steps in suite(args.suite, ngpu):
+        if args.only and args.only not in name:
+            continue
+        rows.append(run_entry(name, nproc, flags, steps, args.out, 989.0, gemm))
+        print(json.dumps(rows[-1]), flush=True)
+    with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
+        json.dump({"header": header, "rows": rows}, fh, indent=1)
+    table = markdown(rows, header)
+    with open(os.path.join(args.out, f"bench_{args.suite}.md"), "w") as fh:
+        fh.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
