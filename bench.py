@@ -1,7 +1,8 @@
 """Benchmark harness: the real training step of train_fsdp.py over a matrix of settings.
 
     python bench.py --suite single      # one GPU: ~1B baseline and Free Transformer, eager and compiled
-    python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation, offload
+    python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation
+    python bench.py --suite knobs       # forward_prefetch, limit_all_gathers off, CPU offload
     python bench.py --suite capacity    # largest model that trains: FULL_SHARD + AC vs DDP
     make bench SUITE=multi
 
@@ -52,15 +53,16 @@ def suite(name, ngpu):
                 ("DDP", ngpu, [a for a in ONE_B if a != "--meta-init"] + per_gpu + ["--strategy", "ddp"], 10),
                 ("BACKWARD_POST", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "BACKWARD_POST"], 10),
                 ("prefetch NONE", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "NONE"], 10),
-                ("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
-                ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
                 ("AC every block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing"], 10),
                 ("AC every 2nd block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing", "--ac-every", "2"], 10),
                 ("accum 2 no_sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu)], 10),
                 ("accum 2 sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
-                                                "--grad-accum-mode", "sync"], 10),
-                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7)]
+                                                "--grad-accum-mode", "sync"], 10)]
         return runs
+    if name == "knobs":
+        return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
+                ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
+                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7)]
     if name == "capacity":
         runs = []
         for size in ("1.5b", "8b"):
@@ -71,7 +73,7 @@ def suite(name, ngpu):
                                                       "--activation-checkpointing", "--micro-batch", "2",
                                                       "--global-batch", str(2 * ngpu)], 7))
         return runs
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, capacity")
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, capacity")
 
 
 def gemm_tflops():
@@ -133,7 +135,7 @@ def markdown(rows, header):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single", help="single, multi or capacity")
+    p.add_argument("--suite", default="single", help="single, multi, knobs or capacity")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     args = p.parse_args()
