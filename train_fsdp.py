@@ -393,10 +393,13 @@ def check_world(cfg, dist_info):
         if world % shard:
             raise BadInput(f"--hybrid-shard-size {shard} must divide the world size {world}")
         if shard == 1 and world > 1:
-            # Seen on torch 2.13: FSDP1 turns a 1-process shard group into NO_SHARD and then
-            # skips the all-reduce across replicas, so the replicas silently diverge.
-            raise BadInput(f"{f.sharding_strategy} with shard groups of 1 process has nothing to shard; "
-                           "use --sharding-strategy NO_SHARD or --strategy ddp (or a larger --hybrid-shard-size)")
+            # One process per shard group is pure replication. FSDP1 would turn the group into
+            # NO_SHARD and then skip the all-reduce across replicas (seen on torch 2.13): the
+            # replicas would silently diverge. NO_SHARD over everyone computes what was asked.
+            if dist_info["rank"] == 0:
+                print(f"{f.sharding_strategy} with 1 process per shard group is pure replication: "
+                      "using NO_SHARD across all processes")
+            f.sharding_strategy = "NO_SHARD"
     return micro, t.global_batch // (micro * world)
 
 

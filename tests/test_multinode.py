@@ -1,0 +1,71 @@
+"""Multi-node emulated on one host: two torchrun launchers (--nnodes=2, c10d rendezvous on
+localhost) as two "nodes". HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard within a node and replicate
+across; losses equal the single-process run (fp32, 1e-5 relative)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_distributed import TINY, assert_same, clean_env, launch  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(tmp_path, per_node, runs, tag):
+    """Start two launchers of `per_node` processes each; return {name: losses}."""
+    spec, out = {}, {}
+    for name, extra in runs.items():
+        out[name] = str(tmp_path / f"{tag}-{name}")
+        spec[name] = TINY + ["--out-dir", out[name]] + extra
+    spec_file = tmp_path / f"{tag}.json"
+    spec_file.write_text(json.dumps(spec))
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={per_node}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={tag}",
+           os.path.join(ROOT, "tests", "dist_driver.py"), str(spec_file)]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    for p, log in zip(nodes, logs):
+        assert p.returncode == 0, log[-4000:]
+    result = {}
+    for name, run_dir in out.items():
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            result[name] = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+    return result, logs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("ref"), 1, {"none": ["--strategy", "none"]}, "ref")["none"][0]
+
+
+def test_two_nodes_of_two_processes_hybrid_sharding(tmp_path, reference):
+    losses, _ = two_nodes(tmp_path, 2, {
+        "full": ["--micro-batch", "2"],
+        "hybrid": ["--micro-batch", "2", "--sharding-strategy", "HYBRID_SHARD"],
+        "hybrid_zero2": ["--micro-batch", "2", "--sharding-strategy", "_HYBRID_SHARD_ZERO2"],
+    }, "2x2")
+    for name in ("full", "hybrid", "hybrid_zero2"):
+        assert_same(losses[name], reference)
+
+
+def test_two_nodes_of_one_process_hybrid_is_replication(tmp_path, reference):
+    """One process per node: the shard group is one process, so hybrid sharding is pure
+    replication; the trainer says so and the losses still equal the single process's."""
+    losses, logs = two_nodes(tmp_path, 1, {
+        "hybrid": ["--sharding-strategy", "HYBRID_SHARD"],
+        "hybrid_zero2": ["--sharding-strategy", "_HYBRID_SHARD_ZERO2"],
+    }, "2x1")
+    assert_same(losses["hybrid"], reference)
+    assert_same(losses["hybrid_zero2"], reference)
+    assert "using NO_SHARD across all processes" in "".join(logs)
