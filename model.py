@@ -141,11 +141,9 @@ class Attention(nn.Module):
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
                 causal = False  # the one new query may see every cached key
             cache["k"], cache["v"] = k, v
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # SDPA picks the flash / memory-efficient kernel on GPU.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+        # SDPA picks the flash / memory-efficient kernel on GPU; enable_gqa shares each key/value
+        # head among n_head / n_kv_head query heads without copying them.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv_head != self.n_head,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

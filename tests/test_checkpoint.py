@@ -135,12 +135,15 @@ def cli(args, timeout=300, wrapper=None):
     return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def error_line(proc, code):
-    """The single 'error: ...' line of a run that ended with `code` (no traceback)."""
+def error_line(proc, code, alone=False):
+    """The single 'error: ...' line of a run that ended with `code` (no traceback); `alone`: and
+    nothing else on stderr (a run stopped before training has no progress bar)."""
     assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-3000:]
+    if alone:
+        assert proc.stderr.strip() == errors[0], proc.stderr[-3000:]
     return errors[0]
 
 
@@ -391,6 +394,8 @@ def test_free_transformer_resume_restores_the_sampling_rng(ref2, res2):
     r0 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank0.pt"), weights_only=False)
     r1 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank1.pt"), weights_only=False)
     assert not torch.equal(r0["torch"], r1["torch"])  # one stream per rank
+    # Sampling moved the stream away from its seed: a resume that only re-seeded would differ.
+    assert not torch.equal(r0["torch"], torch.Generator().manual_seed(1337).get_state())
     assert res2["free"][0] == ref2["free"][0]
 
 
@@ -457,6 +462,7 @@ def _kill_then_resume(tmp_path, name, nproc, condition):
     finally:
         workers.kill()
     assert hit, f"{name}: the run ended before the moment to kill it\n" + workers.output()
+    assert [p.returncode for p in workers.procs] == [-signal.SIGKILL] * nproc, workers.output()
     before = sorted(os.listdir(ckpt_root(run_dir)))
     again = Workers(nproc, args, str(tmp_path / f"{name}-resumed"))
     codes = again.wait()
@@ -641,7 +647,7 @@ def cli_runs(tmp_path_factory, ref2):
                                         ("dataset", "data.dataset: 'synthetic' -> 'random'")])
 def test_resume_refuses_a_config_change(cli_runs, name, field):
     results, dirs, _ = cli_runs
-    line = error_line(results[name], train_fsdp.EXIT_BAD_INPUT)
+    line = error_line(results[name], train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert "already holds a run with another config" in line and field in line and "--overwrite" in line, line
     run_dir, before = dirs[name]
     assert snapshot(run_dir) == before  # checkpoints, metrics, config.json: byte-identical, nothing added
@@ -649,7 +655,7 @@ def test_resume_refuses_a_config_change(cli_runs, name, field):
 
 def test_resume_never_refuses_a_run_directory(cli_runs):
     results, dirs, _ = cli_runs
-    line = error_line(results["never"], train_fsdp.EXIT_BAD_INPUT)
+    line = error_line(results["never"], train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert "already holds a run" in line and "--resume auto" in line and "--overwrite" in line
     assert snapshot(dirs["never"][0]) == dirs["never"][1]
 
@@ -681,7 +687,7 @@ def test_overwrite_starts_afresh_and_deletes_old_checkpoints(ref2, res2):
 
 def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):
     results, _, tmp = cli_runs
-    line = error_line(results["resume_corrupted"], train_fsdp.EXIT_BAD_INPUT)
+    line = error_line(results["resume_corrupted"], train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert "bad_step is incomplete or corrupted" in line and "__1_0.distcp" in line, line
     assert not os.path.exists(tmp / "resume_corrupted")  # nothing written
 
@@ -716,18 +722,17 @@ def test_failed_save_keeps_the_previous_checkpoint(one, tmp_path, kind):
     assert train_fsdp.complete_checkpoints(ckpt_root(run_dir)) == ["step_0000003"]
     assert train_fsdp.check_checkpoint(step3)["step"] == 3
     assert loss_steps(run_dir) == [1, 2, 3, 4]  # step 4 was trained, its save failed
-    left = leftovers(run_dir)
+    # One clear line, and nothing half-written left behind.
+    line = error_line(limited, train_fsdp.EXIT_FAILED)
+    assert line.startswith("error: saving the checkpoint of step 4 failed (rank 0: "), line
+    assert "the previous checkpoint is intact" in line
+    assert not leftovers(run_dir)
     # Without the limit the same command resumes from step 3 and finishes.
     proc = cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert resumed_step(run_dir) == 3
     assert loss_steps(run_dir) == [1, 2, 3, 4, 5, 6]
     assert latest_name(run_dir) == "step_0000006" and not leftovers(run_dir)
-    # The failed run: one clear line, and nothing half-written left behind.
-    line = error_line(limited, train_fsdp.EXIT_FAILED)
-    assert line.startswith("error: saving the checkpoint of step 4 failed (rank 0: "), line
-    assert "the previous checkpoint is intact" in line
-    assert not left, left
 
 
 # =============================================================================================
@@ -750,7 +755,7 @@ def test_export_equals_the_final_consolidated_model(ref2, cli_runs):
 
 
 def test_export_takes_no_other_flag(cli_runs):
-    line = error_line(cli_runs[0]["export_extra_flag"], train_fsdp.EXIT_BAD_INPUT)
+    line = error_line(cli_runs[0]["export_extra_flag"], train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert "--export" in line
 
 
@@ -807,13 +812,13 @@ def test_init_from_run_dir_step_dir_and_model_pt(ref2, one, tmp_path):
         with open(os.path.join(run_dir, "config.json")) as fh:
             cfg = json.load(fh)
         expected = batch_loss(unwrapped(source["model"], cfg["model"]), cfg)
-        assert losses[0] == pytest.approx(expected, rel=1e-6, abs=0), name
+        assert losses[0] == expected, name  # exact: same weights, batch and kernels
         assert losses[0] < fresh - 0.3, (name, losses[0], fresh)  # trained weights, not a fresh init
 
 
 def test_init_from_shape_mismatch_is_bad_input(cli_runs):
     first, _ = cli_runs[0]["init_mismatch"]
-    line = error_line(first, train_fsdp.EXIT_BAD_INPUT)
+    line = error_line(first, train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert "shapes do not match" in line
     assert "tok_emb.weight: checkpoint (32, 32) vs model (32, 64)" in line, line
 
