@@ -3,6 +3,7 @@
     python bench.py --suite single      # one GPU: ~1B baseline and Free Transformer, eager and compiled
     python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation
     python bench.py --suite knobs       # forward_prefetch, limit_all_gathers off, CPU offload
+    python bench.py --suite tune        # one GPU: the compiled 1B at micro-batch 8 and 12
     python bench.py --suite capacity    # largest model that trains: FULL_SHARD + AC vs DDP
     make bench SUITE=multi
 
@@ -59,6 +60,12 @@ def suite(name, ngpu):
                 ("accum 2 sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
                                                 "--grad-accum-mode", "sync"], 10)]
         return runs
+    if name == "tune":
+        one = ["--global-batch", "8", "--micro-batch", "8", "--compile"]
+        return [("1b baseline compile", 1, ONE_B + one, 14),
+                ("1b baseline compile micro 12", 1, ONE_B + ["--global-batch", "12", "--micro-batch", "12",
+                                                             "--compile"], 14),
+                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14)]
     if name == "knobs":
         return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
                 ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
@@ -73,7 +80,7 @@ def suite(name, ngpu):
                                                       "--activation-checkpointing", "--micro-batch", "2",
                                                       "--global-batch", str(2 * ngpu)], 7))
         return runs
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, capacity")
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, capacity")
 
 
 def gemm_tflops():
@@ -135,7 +142,7 @@ def markdown(rows, header):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single", help="single, multi, knobs or capacity")
+    p.add_argument("--suite", default="single", help="single, multi, knobs, tune or capacity")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     args = p.parse_args()

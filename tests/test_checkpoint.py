@@ -47,9 +47,9 @@ VARIANTS = {  # test 1: every one resumed at the same world size must be bit-ide
     "ddp": ["--strategy", "ddp"],
     "free": ["--arch", "free", "--latent-bits", "4"],
 }
-KILL_ARGS = ["--max-steps", "16", "--save-every", "1"]   # test 3
-SIGNAL_ARGS = ["--max-steps", "30"]                      # test 4
-NONFINITE = ["--lr", "1e6", "--grad-clip", "0", "--save-every", "2", "--max-steps", "20"]  # test 10
+KILL_ARGS = ["--max-steps", "12", "--save-every", "1"]   # test 3
+SIGNAL_ARGS = ["--max-steps", "20"]                      # test 4
+NONFINITE = ["--lr", "1e6", "--grad-clip", "0", "--save-every", "1", "--max-steps", "20"]  # test 10
 
 
 # =============================================================================================
@@ -275,7 +275,6 @@ def ref2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref2")
     runs = {name: R + extra for name, extra in VARIANTS.items()}
     runs.update({
-        "gb12": R + ["--global-batch", "12"],
         "keep": ["--max-steps", "5", "--save-every", "1", "--keep-checkpoints", "2"],
         "signal": SIGNAL_ARGS,
         "kill": KILL_ARGS,
@@ -295,14 +294,6 @@ def four(tmp_path_factory, ref2):
                              "--hybrid-shard-size", "2"],
         "save4": R + ["--micro-batch", "2"],
     }, "four")
-
-
-@pytest.fixture(scope="module")
-def three(tmp_path_factory, ref2):
-    """3 processes: a global batch of 12 saved on 2 processes; FSDP pads its shards differently."""
-    tmp = tmp_path_factory.mktemp("three")
-    interrupted_copy(ref2["gb12"][2], tmp / "three-gb12")
-    return launch(tmp, 3, {"gb12": R + ["--global-batch", "12"]}, "three")
 
 
 @pytest.fixture(scope="module")
@@ -443,12 +434,6 @@ def test_four_process_checkpoint_resumes_on_two(ref2, four, res2):
     assert_same(losses, ref2["FULL_SHARD"][0], rel=1e-5)
 
 
-def test_global_batch_12_resumes_on_three_processes(ref2, three):
-    losses, _, run_dir = three["gb12"]
-    assert resumed_step(run_dir) == 6
-    assert_same(losses, ref2["gb12"][0], rel=1e-5)
-
-
 # =============================================================================================
 # 3. kill -9 at different moments of a save
 
@@ -510,10 +495,10 @@ def test_kill_9_during_save_then_resume(tmp_path, ref2, one):
         ref = (one if nproc == 1 else ref2)["kill"][0]
         assert resumed_step(run_dir) >= 3, (name, before)
         assert not leftovers(run_dir), (name, os.listdir(ckpt_root(run_dir)))
-        assert latest_name(run_dir) == "step_0000016"
-        train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000016"))
+        assert latest_name(run_dir) == "step_0000012"
+        train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000012"))
         assert len(train_fsdp.complete_checkpoints(ckpt_root(run_dir))) == 3, os.listdir(ckpt_root(run_dir))
-        assert loss_steps(run_dir) == list(range(1, 17)), name
+        assert loss_steps(run_dir) == list(range(1, 13)), name
         assert losses_of(run_dir) == ref, name  # bit-identical to the uninterrupted run
 
 
@@ -537,7 +522,7 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     found = re.findall(rf"signal {signal.Signals(sig).name} at step (\d+): checkpoint saved", stderr)
     assert len(found) == 1, stderr[-3000:]
     step = int(found[0])
-    assert 2 <= step < 30
+    assert 2 <= step < 20
     assert latest_name(run_dir) == f"step_{step:07d}"
     meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), f"step_{step:07d}"))
     assert meta["step"] == step and meta["world_size"] == nproc
@@ -547,9 +532,9 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     again = Workers(nproc, args, str(tmp_path / "resumed"))
     assert again.wait() == [0] * nproc, again.output()
     assert resumed_step(run_dir) == step
-    assert loss_steps(run_dir) == list(range(1, 31))
+    assert loss_steps(run_dir) == list(range(1, 21))
     assert losses_of(run_dir) == ref  # bit-identical to the uninterrupted run
-    assert latest_name(run_dir) == "step_0000030"
+    assert latest_name(run_dir) == "step_0000020"
 
 
 def test_sigusr1_to_one_of_two_ranks_saves_and_exits_3(tmp_path, ref2):
@@ -569,7 +554,8 @@ def test_sigterm_single_process_saves_and_exits_3(tmp_path, one):
 def test_corrupted_latest_falls_back_to_the_previous_checkpoint(ref2, res2, name, ref):
     losses, val, run_dir = res2[name]
     text = log_text(run_dir)
-    assert re.search(r"checkpoint \S*step_0000006 is incomplete or corrupted: .*; trying an older checkpoint", text), text
+    pattern = r"checkpoint \S*step_0000006 is incomplete or corrupted: .*; trying an older checkpoint"
+    assert re.search(pattern, text), text
     assert resumed_step(run_dir) == 3
     assert loss_steps(run_dir) == list(range(1, 11))
     assert losses == ref2[ref][0] and val["val_loss"] == ref2[ref][1]["val_loss"]
@@ -630,7 +616,6 @@ def cli_runs(tmp_path_factory, ref2):
     # over the copy's and compared with the run's own.
     exp = shutil.copytree(os.path.join(ckpt_root(src), "step_0000010"), tmp / "export10")
     jobs["export"] = lambda: cli(["--export", exp])
-    jobs["export_extra_flag"] = lambda: cli(["--export", exp, "--lr", "1"])
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -681,8 +666,7 @@ def test_overwrite_starts_afresh_and_deletes_old_checkpoints(ref2, res2):
     assert "--overwrite: starting" in text and "resumed from" not in text
     assert sorted(os.listdir(ckpt_root(run_dir))) == ["latest", "step_0000004"]
     assert loss_steps(run_dir) == [1, 2, 3, 4]
-    # TINY's 5-step schedule is the 10-step one's for the first warmup steps; step 1 is the same.
-    assert losses[0] == ref2["FULL_SHARD"][0][0]
+    assert losses[0] == ref2["FULL_SHARD"][0][0]  # step 1 (before any update): a fresh start
 
 
 def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):
@@ -750,13 +734,9 @@ def test_export_equals_the_final_consolidated_model(ref2, cli_runs):
     assert ours["model"].keys() == theirs["model"].keys()
     for k in theirs["model"]:
         assert torch.equal(ours["model"][k], theirs["model"][k]), k
-    assert (ours["step"], ours["tokens_seen"], ours["config"]) == (theirs["step"], theirs["tokens_seen"], theirs["config"])
+    for key in ("step", "tokens_seen", "config", "tokenizer"):
+        assert ours[key] == theirs[key], key
     assert not os.path.exists(os.path.join(tmp, "export10", "export.tmp"))
-
-
-def test_export_takes_no_other_flag(cli_runs):
-    line = error_line(cli_runs[0]["export_extra_flag"], train_fsdp.EXIT_BAD_INPUT, alone=True)
-    assert "--export" in line
 
 
 def test_exported_checkpoint_equals_a_full_checkpoint_of_the_same_step(ref2, tmp_path):
@@ -850,7 +830,8 @@ def test_nonfinite_loss_stops_with_exit_1(cli_runs):
 
 @pytest.mark.xfail(strict=True, reason="BUG: only the loss is checked before a save, not the gradient norm; with "
                    "--lr 1e6 --grad-clip 0 step 2's loss is finite (ln 32) but its gradient norm is NaN, so "
-                   "optimizer.step() makes every weight NaN and step_0000002 (latest) is saved all-NaN")
+                   "optimizer.step() makes every weight NaN and step_0000002 is saved all-NaN; the run stops at step 3 "
+                   "saying 'the latest checkpoint is still the last good one', but latest is step_0000002")
 def test_nonfinite_run_leaves_a_finite_latest_checkpoint(cli_runs, tmp_path):
     run_dir = cli_runs[2] / "nonfinite"
     state = dcp_state(os.path.join(ckpt_root(run_dir), latest_name(run_dir), "dcp"), tmp_path)
