@@ -2,13 +2,8 @@
 # else 2 CPU processes with gloo. Extra trainer flags: make train-free-fsdp ARGS="--max-steps 50"
 PYTHON ?= python3
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
-ifeq ($(NGPU),0)
-  NPROC := 2
-  TASK := --config configs/synthetic_cpu.toml
-else
-  NPROC := $(NGPU)
-  TASK := --config configs/synthetic_gpu.toml
-endif
+NPROC := $(if $(filter 0,$(NGPU)),2,$(NGPU))
+TASK := --config configs/synthetic.toml
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
