@@ -10,7 +10,8 @@ sys.path.insert(0, ROOT)
 import train_fsdp  # noqa: E402
 
 README = open(os.path.join(ROOT, "README.md")).read()
-SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue"}
+SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue", "--cpus-per-task", "--batch",
+                "--wait", "--nnodes"}
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
                 "--prompt-z", "--fixed-z", "--demo", "--device"}
