@@ -7,9 +7,12 @@
 #   sbatch --nodes=4 --time=48:00:00 slurm_submit.sh --size 1b
 #   TOTAL_BATCH_SIZE=512 BATCH_SIZE_PER_DEVICE=8 VENV=~/venvs/fsdp sbatch slurm_submit.sh
 #   sbatch --export=ALL,TOTAL_BATCH_SIZE=512,RUN_DIR=runs/big slurm_submit.sh
-# CPU-only cluster (no GPU gres configured): ask for no GPUs, which also overrides the header:
+# CPU-only cluster (no GPU gres configured): ask for no GPUs, which also overrides the header
+# (sbatch refuses --gpus-per-node=8 there), and for the CPUs the nodes have:
 #   sbatch --gpus-per-node=0 --cpus-per-task=2 slurm_submit.sh ...   (or SBATCH_GPUS_PER_NODE=0)
 #   then CPU_PROCS_PER_NODE (default 2) gloo processes run on each node.
+# GPU nodes whose cluster has no GPU gres: the same --gpus-per-node=0, and say how many GPUs:
+#   GPUS_PER_NODE=8 sbatch --gpus-per-node=0 slurm_submit.sh ...
 #
 # Variables (environment; all optional):
 #   TOTAL_BATCH_SIZE (64), BATCH_SIZE_PER_DEVICE (8)   sequences per optimizer step / per forward
@@ -21,10 +24,11 @@
 #   PYTHON (python3), VENV, CONDA_ENV, MODULES, OMP_NUM_THREADS, NCCL_DEBUG
 #
 # Preemption and the time limit: Slurm sends USR1 to this batch shell 120 s before the limit
-# (--signal=B:...); scancel --batch --signal=USR1 JOBID does the same by hand. The shell asks the
-# trainer to stop (SIGTERM through srun and torchrun), the trainer finishes its step, saves a
+# (--signal=B:...); scancel --batch --signal=USR1 JOBID does the same by hand. The shell sends
+# SIGTERM to the training step (torchrun and its workers), each worker finishes its step, saves a
 # checkpoint and exits, and the job requeues itself: the same job id runs this script again with
-# the same RUN_DIR, and the trainer resumes from the checkpoint (--resume auto).
+# the same RUN_DIR, and the trainer resumes from the checkpoint (--resume auto). A plain scancel
+# cancels for good (no requeue).
 #
 #SBATCH --job-name=fsdp-train
 #SBATCH --output=slurm-%x-%j.out
@@ -47,6 +51,7 @@ fail() {  # bad input: one clear line on stderr, exit 2, before anything starts
 }
 
 # --- environment: a venv or conda env named by a variable, optional modules ---------------
+# shellcheck disable=SC2086  # MODULES may name several modules: split on purpose
 if [[ -n "${MODULES:-}" ]]; then module load ${MODULES}; fi
 if [[ -n "${VENV:-}" ]]; then source "${VENV}/bin/activate"; fi
 if [[ -n "${CONDA_ENV:-}" ]]; then conda activate "${CONDA_ENV}"; fi
@@ -104,7 +109,7 @@ echo "run directory: ${RUN_DIR}"
 #   NCCL_DEBUG=INFO              print NCCL's setup; use WARN once the job runs
 #   NCCL_SOCKET_IFNAME=ib0       the interface that connects the nodes (hangs at start when wrong)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1   turn a stuck collective into an error after the timeout
-#   TORCH_NCCL_BLOCKING_WAIT=1 / the trainer's 30-minute process-group timeout bound a hang
+#                                (the trainer's process-group timeout is 30 minutes)
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # After SIGTERM torchrun waits this long for its workers (to finish the step and save) before
 # SIGKILL. Newer torch reads it (torchrun --shutdown-timeout); older torch waits 30 s.

@@ -352,3 +352,23 @@ def test_batch_that_does_not_divide_fails_early(cluster, tmp_path):
     assert errors == ["error: TOTAL_BATCH_SIZE=12 is not divisible by BATCH_SIZE_PER_DEVICE=4 x 2 processes "
                       "(1 nodes x 2); use a multiple of 8"], report
     assert not os.path.exists(run_dir)
+
+
+@pytest.mark.parametrize("slurm_vars, procs", [
+    ({"SLURM_GPUS_ON_NODE": "8"}, 8),
+    ({"SLURM_GPUS_PER_NODE": "h100:4"}, 4),
+    ({"SLURM_GPUS_PER_NODE": "0", "CPU_PROCS_PER_NODE": "3"}, 3),
+    ({}, 1),  # no GPU count from Slurm: nvidia-smi's
+])
+def test_processes_per_node_come_from_the_allocation(slurm_vars, procs, tmp_path):
+    """No cluster needed: the batch check fails before srun, naming the derived layout."""
+    env = {**base_env(""), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "TOTAL_BATCH_SIZE": "1000",
+           "BATCH_SIZE_PER_DEVICE": "3", "PATH": f"{tmp_path}:{os.environ['PATH']}", **slurm_vars}
+    # a fake nvidia-smi that sees one GPU, asked only when Slurm gives no GPU count
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: fake (UUID: GPU-0)'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    res = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2, res.stdout + res.stderr
+    world = 2 * procs
+    assert res.stderr.strip() == (f"error: TOTAL_BATCH_SIZE=1000 is not divisible by BATCH_SIZE_PER_DEVICE=3 x {world} "
+                                  f"processes (2 nodes x {procs}); use a multiple of {3 * world}"), res.stderr
