@@ -69,3 +69,22 @@ def test_two_nodes_of_one_process_hybrid_is_replication(tmp_path, reference):
     assert_same(losses["hybrid"], reference)
     assert_same(losses["hybrid_zero2"], reference)
     assert "using NO_SHARD across all processes" in "".join(logs)
+
+
+def test_srun_style_launch_without_torchrun(tmp_path, reference):
+    """Processes started the way srun starts tasks (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
+    no RANK or WORLD_SIZE) find their rank and world size and train like one process."""
+    port, run_dir = free_port(), tmp_path / "srun"
+    procs = []
+    for rank in range(2):
+        env = clean_env()
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NNODES="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "train_fsdp.py", *TINY, "--out-dir", str(run_dir)],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    with open(run_dir / "metrics.jsonl") as fh:
+        losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+    assert_same(losses, reference)
+    assert "world 2" in (run_dir / "training_log.txt").read_text()
