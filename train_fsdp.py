@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -723,7 +724,8 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
                 fsync_path(os.path.join(tmp, "model.pt"))
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
         fsync_path(os.path.join(tmp, f"rng_rank{rank}.pt"))
-    except Exception as e:  # a full disk on one rank must stop every rank, not hang them
+    except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
+        # hang them (DCP's CheckpointException derives from BaseException, not Exception)
         error = f"rank {rank}: {type(e).__name__}: {e}"
     errors = [None] * dist_info["world"]
     dist.all_gather_object(errors, error, group=dist_info["control"])
@@ -747,16 +749,23 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
         write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
         shutil.rmtree(final + ".old", ignore_errors=True)
         for old in complete_checkpoints(root)[c.keep_checkpoints:]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     dist.barrier()
     return final
 
 
 def complete_checkpoints(root):
-    """Names of renamed (complete) checkpoint directories, newest first."""
+    """Names of renamed (complete) checkpoint directories, newest save first. By save time, not
+    by step: after resuming from an older checkpoint, the new saves are the ones to keep."""
     if not os.path.isdir(root):
         return []
-    return sorted((n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".old")), reverse=True)
+    names = [n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".old")]
+
+    def saved_at(name):
+        meta = os.path.join(root, name, "meta.json")
+        return (os.path.getmtime(meta) if os.path.exists(meta) else 0.0, name)
+    return sorted(names, key=saved_at, reverse=True)
 
 
 def check_checkpoint(path):
@@ -771,7 +780,7 @@ def check_checkpoint(path):
         return meta
     except RunFailed as e:
         raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {e}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {type(e).__name__}: {e}")
 
 
@@ -840,9 +849,10 @@ def checkpoint_weights(path):
     raise BadInput(f"--init-from {path}: not a checkpoint (no model.pt or dcp/ inside)")
 
 
-def init_weights_from(path, model, shapes):
-    """Load only the model weights of a checkpoint (fresh optimizer, step 0). `shapes` are the
-    unwrapped model's parameter shapes by name; mismatches are reported by name."""
+def check_init_from(path, shapes):
+    """--init-from's checkpoint must hold every parameter of the model with its shape (`shapes`:
+    the unwrapped model's, by name); mismatches are reported by name. Runs before anything
+    is written."""
     kind, where = checkpoint_weights(path)
     if kind == "full":
         state = torch.load(where, map_location="cpu", mmap=True, weights_only=True)["model"]
@@ -856,7 +866,13 @@ def init_weights_from(path, model, shapes):
     if problems:
         raise BadInput(f"--init-from {path}: shapes do not match: " + "; ".join(problems[:8]) +
                        (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+
+
+def init_weights_from(path, model):
+    """Load only the model weights of a checkpoint (fresh optimizer, step 0)."""
+    kind, where = checkpoint_weights(path)
     if kind == "full":
+        state = torch.load(where, map_location="cpu", mmap=True, weights_only=True)["model"]
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     else:
         state = {"model": get_model_state_dict(model)}
@@ -867,8 +883,9 @@ def init_weights_from(path, model, shapes):
 def export_checkpoint(path):
     """Sharded checkpoint -> the single-file model.pt beside it, in one process (no FSDP)."""
     meta = check_checkpoint(path)
-    if meta["type"] != "sharded":
-        raise BadInput(f"--export {path}: already a full checkpoint (model.pt)")
+    if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
+        print(f"{path} already holds a consolidated model.pt")
+        return os.path.join(path, "model.pt")
     tmp = os.path.join(path, "export.tmp")
     dcp_to_torch_save(os.path.join(path, "dcp"), tmp)  # DCP's own format utility
     state = torch.load(tmp, weights_only=False)
@@ -999,8 +1016,14 @@ def keep_metric_lines(path, last_step):
     """Drop metric records after the step a run restarts from, so each step appears once."""
     if not os.path.exists(path):
         return
+    keep = []
     with open(path) as fh:
-        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        for line in fh:
+            try:
+                if json.loads(line).get("step", 0) <= last_step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except ValueError:  # a line torn by a crash mid-write
+                continue
     write_text_atomic(path, "".join(keep))
 
 
@@ -1047,19 +1070,20 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:
         raise BadInput(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's {data.vocab_size}")
-    if c.init_from:
-        agree(lambda: checkpoint_weights(c.init_from), rank)  # a bad path fails before anything is written
-    run_dir, resume, notes = prepare_run_dir(cfg, rank)
-    log = RunLog(run_dir, rank)
-    if rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg), indent=1))
 
     # Same seed on every rank for the weights, so unwrapped replicas start identical.
     torch.manual_seed(t.seed)
     with torch.device("meta") if f.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
+    if c.init_from:  # a bad path or shape fails before anything is written
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        agree(lambda: check_init_from(c.init_from, shapes), rank)
+    run_dir, resume, notes = prepare_run_dir(cfg, rank)
+    log = RunLog(run_dir, rank)
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg), indent=1))
+
     decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, getattr(model, "init_module", None))
@@ -1084,7 +1108,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                  f"{meta['world_size']} processes" +
                  ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")
     elif c.init_from:
-        init_weights_from(c.init_from, model, shapes)
+        init_weights_from(c.init_from, model)
         log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
 
     tokens_per_step = t.global_batch * data.seq_len
@@ -1122,7 +1146,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         worst = first_bad.clone()
         dist.all_reduce(worst, op=dist.ReduceOp.MIN)
         if worst.item() != never:
-            raise RunFailed(f"the loss became NaN/inf at step {worst.item()}; stopped without saving that state "
+            raise RunFailed(f"the loss or its gradient became NaN/inf at step {worst.item()}; stopped without "
+                            "saving that state "
                             f"(the latest checkpoint is still the last good one); lower --lr or pass "
                             "--skip-nonfinite")
 
@@ -1141,7 +1166,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             if skipped:
                 log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
             elif scaler is None and not t.skip_nonfinite:
-                bad = ~torch.isfinite(totals["loss"]) & (first_bad == never)
+                # A finite loss can still give NaN gradients; either poisons the weights.
+                bad = ~(torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm.to(device))) & (first_bad == never)
                 first_bad = torch.where(bad, torch.tensor(step + 1, device=device), first_bad)
             tokens_seen += tokens_per_step
             window_steps += 1
