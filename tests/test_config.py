@@ -335,7 +335,7 @@ def test_every_field_has_help_and_a_flag():
             assert "--no-" + f.name.replace("_", "-") in action.option_strings
         else:
             assert action.choices == f.metadata.get("choices")
-    assert {f"{s}.{f.name}" for s, f in all_fields()} | {"config", "help"} == set(actions)
+    assert {f"{s}.{f.name}" for s, f in all_fields()} | {"config", "export", "help"} == set(actions)
 
 
 def test_flag_names_are_unique():
