@@ -36,6 +36,10 @@ kappa-sweep:
 	done; \
 	$(PYTHON) sample.py --summarize $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) | tee runs/kappa-sweep-$(STAMP).md
 
+# Consolidate a sharded checkpoint into one file: make export CKPT=runs/RUN/checkpoints/step_N
+export:
+	$(PYTHON) train_fsdp.py --export $(CKPT)
+
 # Sample from a run: make sample CKPT=runs/free-fsdp-... [SAMPLE_ARGS="--fixed-z --prompt K>"]
 sample:
 	$(PYTHON) sample.py --ckpt $(CKPT) $(SAMPLE_ARGS)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-import model as model_lib
+import train_fsdp
 
 WARMUP = 4
 BASE = ["--dataset", "random", "--tokenizer-vocab-size", "32000", "--seq-len", "2048", "--log-every", "1",
@@ -112,15 +112,12 @@ def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm):
         return {**row, "error": "OOM" if oom else (tail[-1][:200] if tail else f"exit {proc.returncode}")}
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         recs = [r for r in map(json.loads, fh) if "loss" in r][WARMUP:]
-    with open(os.path.join(run_dir, "config.json")) as fh:
-        cfg = json.load(fh)
-    mcfg = model_lib.resolve_model_config(model_lib.ModelConfig(**cfg["model"]))
-    seq = cfg["data"]["seq_len"]
+    # The trainer's own per-step figures (its flop count and its table of card peaks).
     step = statistics.median(r["step_time_s"] for r in recs)
-    tok_gpu = cfg["train"]["global_batch"] * seq / step / nproc
-    flops = model_lib.flops_per_token(mcfg, seq) * tok_gpu
-    return {**row, "step_ms": round(1000 * step, 1), "tokens_per_s_per_gpu": round(tok_gpu),
-            "mfu": round(flops / (peak_tflops * 1e12), 4), "mfu_of_gemm": round(flops / (gemm * 1e12), 4),
+    mfu = statistics.median(r["mfu"] for r in recs)
+    return {**row, "step_ms": round(1000 * step, 1),
+            "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s"] for r in recs) / nproc),
+            "mfu": round(mfu, 4), "mfu_of_gemm": round(mfu * peak_tflops / gemm, 4),
             "peak_alloc_gib": round(max(r["mem_peak_gib"] for r in recs), 2),
             "reserved_gib": round(max(r["mem_reserved_gib"] for r in recs), 2),
             "data_fraction": round(statistics.median(r["data_fraction"] for r in recs), 5),
@@ -128,7 +125,7 @@ def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm):
 
 
 def markdown(rows, header):
-    lines = [header, "", "| run | GPUs | step ms | tokens/s/GPU | MFU (989) | MFU (GEMM) | peak alloc GiB | "
+    lines = [header, "", "| run | GPUs | step ms | tokens/s/GPU | MFU (peak) | MFU (GEMM) | peak alloc GiB | "
              "reserved GiB | data % |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
@@ -152,6 +149,9 @@ def main():
     ngpu = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
     gemm = gemm_tflops()
+    peak = train_fsdp.peak_flops(torch.device("cuda", 0))
+    if peak is None:
+        raise SystemExit(f"no bf16 peak known for {card}: add it to train_fsdp.PEAK_BF16_FLOPS")
     header = (f"{args.suite} suite, {ngpu} x {card}, torch {torch.__version__}, measured bf16 GEMM "
               f"{gemm:.0f} TFLOP/s, {time.strftime('%Y-%m-%d')}, sequence 2048, vocabulary 32000")
     print(header, flush=True)
@@ -159,7 +159,7 @@ def main():
     for name, nproc, flags, steps in suite(args.suite, ngpu):
         if args.only and args.only not in name:
             continue
-        rows.append(run_entry(name, nproc, flags, steps, args.out, 989.0, gemm))
+        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm))
         print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
         json.dump({"header": header, "rows": rows}, fh, indent=1)

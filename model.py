@@ -457,7 +457,8 @@ def matmul_params(cfg):
 
 
 def flops_per_token(cfg, seq_len):
-    """6 * N_matmul for forward+backward, plus attention scores and values:
-    6 * n_layer * d_model * seq_len (torchtitan's count, causal masking not discounted)."""
+    """6 * N_matmul for forward+backward, plus attention scores and values with the causal
+    mask discounted: 6 * n_layer * d_model * seq_len, half of the 12 * L * D * T that
+    torchtitan and nanoGPT count. The MFU reported here is therefore the conservative one."""
     n_blocks = cfg.n_layer + (1 if cfg.arch == "free" else 0)
     return 6 * matmul_params(cfg) + 6 * n_blocks * cfg.d_model * seq_len

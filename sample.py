@@ -141,7 +141,11 @@ def main(argv=None):
     except (FileNotFoundError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    run_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(find_checkpoint(args.ckpt)))))
+    # demo files go to the run directory when the checkpoint sits in one, else beside the file
+    ckpt_file = os.path.abspath(find_checkpoint(args.ckpt))
+    step_dir = os.path.dirname(ckpt_file)
+    in_run = os.path.basename(os.path.dirname(step_dir)) == "checkpoints"
+    run_dir = os.path.dirname(os.path.dirname(step_dir)) if in_run else step_dir
 
     if args.demo:
         if ckpt["config"]["data"]["dataset"] != "synthetic":

@@ -337,9 +337,12 @@ def setup_distributed(cfg):
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    elif int(env.get("SLURM_NTASKS", "1")) > 1:
-        rank, world, local_rank = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
-        local_world = world // int(env.get("SLURM_NNODES", "1"))
+    elif int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        # SLURM_STEP_NUM_TASKS is set by srun for its tasks; SLURM_NTASKS alone would also
+        # match a plain `python train_fsdp.py` typed inside an allocation of several tasks.
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        local_rank = int(env["SLURM_LOCALID"])
+        local_world = world // int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
         if "MASTER_ADDR" not in env:
             raise BadInput("srun without torchrun: set MASTER_ADDR (first host of the allocation) and MASTER_PORT")
         env.setdefault("MASTER_PORT", "29500")
@@ -385,8 +388,14 @@ def check_world(cfg, dist_info):
     """Checks that need the world size, before anything is written. Returns (micro, accum):
     global batch = micro-batch x world size x accumulation steps."""
     t, f, world = cfg.train, cfg.fsdp, dist_info["world"]
+    if t.strategy == "none" and world > 1:
+        raise BadInput(f"--strategy none with {world} processes would train {world} unsynchronised copies; "
+                       "use --strategy fsdp or ddp, or launch one process")
+    if t.global_batch < world:
+        raise BadInput(f"--global-batch {t.global_batch} is smaller than the world size {world}; every process "
+                       "needs at least one sequence per step")
     micro = t.micro_batch or t.global_batch // world
-    if micro < 1 or t.global_batch % (micro * world):
+    if t.global_batch % (micro * world):
         raise BadInput(f"--global-batch {t.global_batch} is not divisible by micro-batch {micro} x world size "
                        f"{world}; choose a global batch that is a multiple of {micro * world}")
     if t.strategy == "fsdp" and "HYBRID" in f.sharding_strategy:
@@ -420,6 +429,8 @@ def agree(fn, rank):
             out[0] = str(e)
         except OSError as e:  # e.g. --out-dir is a file, a read-only or full disk
             out[0] = f"{e.strerror}: {e.filename}"
+        except Exception as e:  # anything else (a file that is not a checkpoint, ...) must not hang the others
+            out[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(out, src=0)
     if out[0]:
         raise BadInput(out[0])
@@ -537,8 +548,7 @@ def build_optimizer(model, cfg, lr, device, decay_names):
     exposes sharded parameters as 1-D views). With use_orig_params=False FSDP flattens them into
     FlatParameters, so decay cannot be told apart: it then goes to all."""
     named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    flat = any(isinstance(m, FSDP) for m in model.modules()) and not cfg.fsdp.use_orig_params
-    if flat:
+    if cfg.train.strategy == "fsdp" and not cfg.fsdp.use_orig_params:
         groups = [{"params": [p for _, p in named], "weight_decay": cfg.train.weight_decay}]
     else:
         groups = [{"params": [p for n, p in named if n in decay_names], "weight_decay": cfg.train.weight_decay},
@@ -546,7 +556,7 @@ def build_optimizer(model, cfg, lr, device, decay_names):
     # Fused AdamW needs the parameters on the GPU, and it rejects ShardedGradScaler's found_inf
     # (shape [1], seen on torch 2.11), so fp16 takes the foreach implementation.
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused), flat
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused)
 
 
 def lr_at(step, peak, cfg, max_steps):
@@ -655,12 +665,11 @@ def evaluate(model, data, cfg, dist_info, micro, loss_fn):
 # sharded format supersedes it.
 
 
-def state_options(model, full):
-    """Full state dicts are gathered to rank 0 on CPU (cpu_offload). Parameters that already
-    live on the CPU skip the offload: FSDP1 then frees the gathered storage before cloning it
-    (a segfault, seen on torch 2.13 with gloo), so every rank gathers instead."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return StateDictOptions(full_state_dict=full, cpu_offload=full and not on_cpu)
+def full_state_options(device):
+    """Full state dicts are gathered to rank 0 on CPU (cpu_offload). A CPU-only run skips the
+    offload: FSDP1 then frees the gathered storage before cloning it (a segfault, seen on
+    torch 2.13 with gloo), so every rank gathers instead."""
+    return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
 def fsync_path(path):
@@ -692,10 +701,9 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def consolidated_payload(state, cfg, step, tokens_seen, data):
+def consolidated_payload(state, config, step, tokens_seen, tokenizer):
     """The single-file format: torch.load(path)["model"] loads into an unwrapped model."""
-    return {"model": state, "config": dataclasses.asdict(cfg), "step": step, "tokens_seen": tokens_seen,
-            "tokenizer": data.tokenizer_path}
+    return {"model": state, "config": config, "step": step, "tokens_seen": tokens_seen, "tokenizer": tokenizer}
 
 
 def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, data, dist_info, consolidate):
@@ -715,8 +723,9 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
             dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
         if c.checkpoint_type == "full" or consolidate:
-            opts = state_options(model, full=True)
-            full = consolidated_payload(get_model_state_dict(model, options=opts), cfg, step, tokens_seen, data)
+            opts = full_state_options(dist_info["device"])
+            full = consolidated_payload(get_model_state_dict(model, options=opts), dataclasses.asdict(cfg), step,
+                                        tokens_seen, data.tokenizer_path)
             if c.checkpoint_type == "full" and c.full_optimizer:
                 full["optim"] = get_optimizer_state_dict(model, optimizer, options=opts)
             if rank == 0:
@@ -735,24 +744,40 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
             shutil.rmtree(tmp, ignore_errors=True)
         raise RunFailed(f"saving the checkpoint of step {step} failed ({errors[0].splitlines()[0]}); "
                         f"the previous checkpoint is intact")
+    error = None
     if rank == 0:
-        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                 for d, _, fs in os.walk(tmp) for f in fs}
-        meta = {"step": step, "tokens_seen": tokens_seen, "type": c.checkpoint_type, "world_size": dist_info["world"],
-                "config": dataclasses.asdict(cfg), "tokenizer": data.tokenizer_path,
-                "scaler": scaler.state_dict() if scaler else None, "files": files}
-        write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        if os.path.exists(final):  # the same step saved again (after a resume): swap, then delete
-            os.replace(final, final + ".old")
-        os.replace(tmp, final)
-        fsync_path(root)
-        write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        for old in complete_checkpoints(root)[c.keep_checkpoints:]:
-            if old != name:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
+        try:
+            publish_checkpoint(tmp, final, root, name, step, tokens_seen, cfg, data, scaler, dist_info["world"])
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{e.strerror}: {e.filename}"
+    failure = [error]
+    dist.broadcast_object_list(failure, src=0, group=dist_info["control"])
+    if failure[0]:
+        raise RunFailed(f"saving the checkpoint of step {step} failed ({failure[0]}); the previous checkpoint "
+                        "is intact")
     return final
+
+
+def publish_checkpoint(tmp, final, root, name, step, tokens_seen, cfg, data, scaler, world):
+    """Rank 0, once every rank has written its files: meta.json, the atomic rename, `latest`,
+    then keep-K pruning."""
+    files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+             for d, _, fs in os.walk(tmp) for f in fs}
+    meta = {"step": step, "tokens_seen": tokens_seen, "type": cfg.checkpoint.checkpoint_type, "world_size": world,
+            "config": dataclasses.asdict(cfg), "tokenizer": data.tokenizer_path,
+            "scaler": scaler.state_dict() if scaler else None, "files": files}
+    write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a save killed mid-swap
+    if os.path.exists(final):  # the same step saved again (after a resume): swap, then delete
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    fsync_path(root)
+    write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    for old in complete_checkpoints(root)[cfg.checkpoint.keep_checkpoints:]:
+        if old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def complete_checkpoints(root):
@@ -889,9 +914,8 @@ def export_checkpoint(path):
     tmp = os.path.join(path, "export.tmp")
     dcp_to_torch_save(os.path.join(path, "dcp"), tmp)  # DCP's own format utility
     state = torch.load(tmp, weights_only=False)
-    payload = {"model": state["model"], "config": meta["config"], "step": meta["step"],
-               "tokens_seen": meta["tokens_seen"], "tokenizer": meta["tokenizer"]}
-    torch.save(payload, tmp)
+    torch.save(consolidated_payload(state["model"], meta["config"], meta["step"], meta["tokens_seen"],
+                                    meta["tokenizer"]), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
     return os.path.join(path, "model.pt")
 
@@ -1092,7 +1116,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
 
     max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     peak_lr = t.lr * (t.global_batch / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0)
-    optimizer, flat_decay = build_optimizer(model, cfg, peak_lr, device, decay_names)
+    optimizer = build_optimizer(model, cfg, peak_lr, device, decay_names)
     fp16 = f.param_dtype == "fp16"
     scaler = None
     if fp16:
@@ -1118,11 +1142,12 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(f"strategy {t.strategy}" + (f" {f.sharding_strategy} wrap={f.auto_wrap} prefetch={f.backward_prefetch}"
                                          if t.strategy == "fsdp" else "") +
-             f" | dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}")
+             (f" | dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}"
+              if t.strategy == "fsdp" else f" | autocast {f.param_dtype} (reduce/buffer dtypes apply to FSDP only)"))
     log.line(f"parameters: total {n_params:,} | trainable {n_trainable:,} | on rank 0 {local_params:,}")
     log.line(f"batch: global {t.global_batch} = micro {micro} x world {world} x accum {accum} "
              f"({t.grad_accum_mode}) | seq {data.seq_len} | {tokens_per_step:,} tokens/step | {max_steps} steps")
-    if flat_decay and t.weight_decay > 0:
+    if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
         log.line("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them "
                  "(norm weights too); pass --use-orig-params to exempt 1-D weights")
     if peak is None and device.type == "cuda":
@@ -1168,7 +1193,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             elif scaler is None and not t.skip_nonfinite:
                 # A finite loss can still give NaN gradients; either poisons the weights.
                 bad = ~(torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm.to(device))) & (first_bad == never)
-                first_bad = torch.where(bad, torch.tensor(step + 1, device=device), first_bad)
+                first_bad = torch.where(bad, step + 1, first_bad)
             tokens_seen += tokens_per_step
             window_steps += 1
             bar.update(1)
@@ -1203,17 +1228,18 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                          f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
                 window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
             if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+                t0 = time.perf_counter()
                 val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
                 log.metrics({"step": step + 1, **{f"val_{k}": v for k, v in val.items()}})
                 log.line(f"step {step + 1:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
-                window_start = time.perf_counter()  # keep evaluation out of the throughput
+                window_start += time.perf_counter() - t0  # keep evaluation out of the throughput
             if (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final) or stop.item():
                 check_finite()  # never save a state that has seen a non-finite loss
                 t0 = time.perf_counter()
                 path = save_checkpoint(model, optimizer, scaler, cfg, run_dir, step + 1, tokens_seen, data,
                                        dist_info, consolidate=last)
                 log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
-                window_start = time.perf_counter()
+                window_start += time.perf_counter() - t0  # and saving
             if stop.item() and not last:
                 raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "
                                 f"exiting with code {EXIT_PREEMPTED}; run the same command again to resume")

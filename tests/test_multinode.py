@@ -72,14 +72,16 @@ def test_two_nodes_of_one_process_hybrid_is_replication(tmp_path, reference):
 
 
 def test_srun_style_launch_without_torchrun(tmp_path, reference):
-    """Processes started the way srun starts tasks (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
-    no RANK or WORLD_SIZE) find their rank and world size and train like one process."""
+    """Processes started the way srun starts tasks (SLURM_PROCID / SLURM_STEP_NUM_TASKS /
+    SLURM_LOCALID, no RANK or WORLD_SIZE) find their rank and world size and train like one
+    process. A plain `python train_fsdp.py` inside an allocation of several tasks (SLURM_NTASKS
+    without a step) stays one process."""
     port, run_dir = free_port(), tmp_path / "srun"
     procs = []
     for rank in range(2):
         env = clean_env()
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NNODES="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_STEP_NUM_NODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "train_fsdp.py", *TINY, "--out-dir", str(run_dir)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -88,3 +90,9 @@ def test_srun_style_launch_without_torchrun(tmp_path, reference):
         losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
     assert_same(losses, reference)
     assert "world 2" in (run_dir / "training_log.txt").read_text()
+    env = clean_env()
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0")
+    alone = subprocess.run([sys.executable, "train_fsdp.py", *TINY, "--max-steps", "1", "--out-dir",
+                            str(tmp_path / "alone")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "world 1" in (tmp_path / "alone" / "training_log.txt").read_text()
