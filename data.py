@@ -49,7 +49,7 @@ class DataConfig:
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
 FORMAT_VERSION = 1  # bump when the cache layout changes so old caches read as stale
-HASH_LIMIT = 64 << 20  # hash files up to this size; bigger ones are trusted on size + mtime to keep checks fast
+HASH_LIMIT = 64 << 20  # bytes hashed per check at most; the rest is trusted on size + mtime to keep checks fast
 ENCODE_LINES = 8192  # lines per sp.encode call: bounds memory on huge files without losing the threads' speed-up
 THREADS = min(16, os.cpu_count() or 1)
 
@@ -219,10 +219,14 @@ def fingerprint(path: Path) -> dict:
 
 
 def content_hashes(paths: list[Path]) -> dict:
-    """sha256 of each file up to HASH_LIMIT: catches edits that keep size and mtime (cp -p, quick rewrites)."""
-    hashes = {}
+    """sha256 of the files, in order, while they fit in HASH_LIMIT bytes in all: catches edits that
+    keep size and mtime (cp -p, quick rewrites) in small corpora, while the rest of a large corpus
+    is trusted on size + mtime so that a second run still starts at once."""
+    hashes, budget = {}, HASH_LIMIT
     for path in paths:
-        if path.stat().st_size <= HASH_LIMIT:
+        size = path.stat().st_size
+        if size <= budget:
+            budget -= size
             with open(path, "rb") as f:
                 hashes[str(path)] = hashlib.file_digest(f, "sha256").hexdigest()
     return hashes

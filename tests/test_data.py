@@ -467,3 +467,15 @@ def test_random_tokens_for_benchmarks():
     assert torch.equal(data.load_data(cfg, seed=3).train_batch(2, 8, 0, 8)[0], x)
     assert not torch.equal(data.load_data(cfg, seed=4).train_batch(2, 8, 0, 8)[0], x)
     assert ds.val_batch(0, 100)[0].shape == (data.RANDOM_ROWS[1], 64)
+
+
+def test_content_hashes_stop_at_the_byte_budget(tmp_path, monkeypatch):
+    """A large corpus is not re-read in full at every start: hashing stops at HASH_LIMIT bytes."""
+    monkeypatch.setattr(data, "HASH_LIMIT", 250)
+    paths = []
+    for i, size in enumerate([100, 100, 100, 40]):
+        p = tmp_path / f"f{i}.txt"
+        p.write_text("x" * size)
+        paths.append(p)
+    hashed = data.content_hashes(paths)
+    assert sorted(hashed) == [str(paths[0]), str(paths[1]), str(paths[3])]  # f2 would exceed 250 bytes
