@@ -917,6 +917,7 @@ def export_checkpoint(path):
     torch.save(consolidated_payload(state["model"], meta["config"], meta["step"], meta["tokens_seen"],
                                     meta["tokenizer"]), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
+    print(f"wrote {os.path.join(path, 'model.pt')}")
     return os.path.join(path, "model.pt")
 
 
@@ -1075,7 +1076,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
         if len(argv) != 2:
             raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-        print(f"wrote {export_checkpoint(argv[1])}")
+        export_checkpoint(argv[1])
         return None
     cfg = parse_config(argv)
     check_config(cfg)
