@@ -59,8 +59,7 @@ import model as model_lib
 # Precedence: command line > config file > preset > default.
 
 
-def opt(default, help, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+opt = data_lib.opt  # a dataclass field with its help line (and valid values): one helper for all sections
 
 
 @dataclass
@@ -810,8 +809,8 @@ def check_checkpoint(path):
 
 
 def find_resume_checkpoint(run_dir, notes):
-    """The latest complete checkpoint of a run directory, falling back to older ones (saying so)
-    when the newest is corrupted. None when there is none."""
+    """(path, meta) of the latest complete checkpoint of a run directory, falling back to older
+    ones (saying so) when the newest is corrupted; (None, None) when there is none."""
     root = os.path.join(run_dir, "checkpoints")
     names = complete_checkpoints(root)
     try:
@@ -822,11 +821,10 @@ def find_resume_checkpoint(run_dir, notes):
         pass
     for name in names:
         try:
-            check_checkpoint(os.path.join(root, name))
-            return os.path.join(root, name)
+            return os.path.join(root, name), check_checkpoint(os.path.join(root, name))
         except RunFailed as e:
             notes.append(f"{e}; trying an older checkpoint")
-    return None
+    return None, None
 
 
 def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
@@ -863,7 +861,7 @@ def checkpoint_weights(path):
     if os.path.isfile(path):
         return "full", path
     if os.path.isdir(os.path.join(path, "checkpoints")):
-        found = find_resume_checkpoint(path, [])
+        found, _ = find_resume_checkpoint(path, [])
         if found is None:
             raise BadInput(f"--init-from {path}: the run directory holds no complete checkpoint")
         path = found
@@ -996,11 +994,12 @@ def prepare_run_dir(cfg, rank):
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
 
     def decide():
-        config_path, notes, resume, old = os.path.join(run_dir, "config.json"), [], None, None
+        config_path, notes, resume, meta, old = os.path.join(run_dir, "config.json"), [], None, None, None
         holds_run = os.path.exists(config_path)
         if c.resume not in ("auto", "never"):
             resume = c.resume.rstrip("/")
-            old = check_checkpoint(resume)["config"]
+            meta = check_checkpoint(resume)
+            old = meta["config"]
         elif holds_run and cfg.train.overwrite:
             shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
             notes.append(f"--overwrite: starting {run_dir} afresh (its checkpoints were deleted)")
@@ -1008,10 +1007,10 @@ def prepare_run_dir(cfg, rank):
             raise BadInput(f"--out-dir {run_dir} already holds a run; pass --resume auto to continue it or "
                            "--overwrite to start afresh")
         elif holds_run:
-            resume = find_resume_checkpoint(run_dir, notes)
+            resume, meta = find_resume_checkpoint(run_dir, notes)
             try:
                 with open(config_path) as fh:
-                    old = check_checkpoint(resume)["config"] if resume else json.load(fh)
+                    old = meta["config"] if resume else json.load(fh)
             except ValueError:
                 raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
                                "another directory or pass --overwrite")
@@ -1022,7 +1021,7 @@ def prepare_run_dir(cfg, rank):
                                "resuming would silently change it: choose another directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
         os.makedirs(run_dir, exist_ok=True)
-        start = check_checkpoint(resume)["step"] if resume else 0
+        start = meta["step"] if resume else 0
         keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), start)
         if not resume and os.path.exists(os.path.join(run_dir, "training_log.txt")):
             os.remove(os.path.join(run_dir, "training_log.txt"))
