@@ -225,8 +225,13 @@ def code_probs(z_logits, bits):
 class _BinaryMapperST(torch.autograd.Function):
     """R = W[d] in the forward (a row lookup: the mapper's value is one-hot), and the
     straight-through gradient of Y + G - sg(G) in the backward, where the bit-logit gradient
-    is sum_d (dR . W[d]) * G[d] * (bit_h(d) - p_h). The backward works in token chunks so the
-    dense (tokens, 2^H) G is never held for more than `chunk` tokens."""
+    is sum_d M[d] G[d] (bit_h(d) - p_h) with M = dR @ W^T.
+
+    G factorises over the bits, so it is never formed: split each code d into its low bits a
+    and high bits b (d = a + 2^lo * b), G[d] = G_lo[a] G_hi[b], and view M as (2^hi, 2^lo).
+    Then sum_b G_hi[b] M[b, a] and sum_a G_lo[a] M[b, a] (two batched mat-vecs, one read of M
+    each) give every sum the gradient needs. The backward works in token chunks, so the
+    (tokens, 2^H) M is never held for more than `chunk` tokens."""
 
     @staticmethod
     def forward(ctx, z_logits, codes, weight, chunk):
@@ -238,15 +243,23 @@ class _BinaryMapperST(torch.autograd.Function):
     def backward(ctx, grad_r):
         z_logits, codes, weight = ctx.saved_tensors
         n_bits = z_logits.shape[-1]
-        flat_logits = z_logits.reshape(-1, n_bits)
+        lo = n_bits // 2
+        flat_logits = z_logits.reshape(-1, n_bits).float()
         flat_grad = grad_r.reshape(-1, grad_r.shape[-1])
         grad_logits = torch.empty(flat_logits.shape, dtype=torch.float32, device=z_logits.device)
-        bits = code_bits(n_bits, z_logits.device)
+        bits_lo, bits_hi = code_bits(lo, z_logits.device), code_bits(n_bits - lo, z_logits.device)
         for s in range(0, flat_logits.shape[0], ctx.chunk):
             lg = flat_logits[s:s + ctx.chunk]
-            # dM = dR @ W^T in the weight's dtype (a GEMM the size of a 2^H-wide LM head), then fp32.
-            q = (flat_grad[s:s + ctx.chunk].to(weight.dtype) @ weight.T).float() * code_probs(lg, bits)
-            grad_logits[s:s + ctx.chunk] = q @ bits - torch.sigmoid(lg.float()) * q.sum(-1, keepdim=True)
+            n = lg.shape[0]
+            # M = dR @ W^T in the weight's dtype (a GEMM the size of a 2^H-wide LM head), then fp32.
+            m = (flat_grad[s:s + ctx.chunk].to(weight.dtype) @ weight.T).float().view(n, 2 ** (n_bits - lo), 2 ** lo)
+            g_lo, g_hi = code_probs(lg[:, :lo], bits_lo), code_probs(lg[:, lo:], bits_hi)  # fp32, ~2^-H/2
+            q_lo = g_lo * torch.bmm(g_hi[:, None, :], m)[:, 0]  # sum of M*G over the high bits
+            q_hi = g_hi * torch.bmm(m, g_lo[:, :, None])[:, :, 0]  # ... over the low bits
+            total = q_lo.sum(-1, keepdim=True)  # sum_d M[d] G[d]
+            p = torch.sigmoid(lg)
+            grad_logits[s:s + n, :lo] = q_lo @ bits_lo - p[:, :lo] * total
+            grad_logits[s:s + n, lo:] = q_hi @ bits_hi - p[:, lo:] * total
         # The weight's gradient is that of an embedding lookup: the value of the mapper is one-hot.
         grad_w = torch.zeros_like(weight)
         grad_w.index_add_(0, codes.reshape(-1), flat_grad.to(weight.dtype))

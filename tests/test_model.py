@@ -155,10 +155,12 @@ def test_causality_future_tokens_do_not_change_past_logits(arch):
 # 3. Binary Mapper straight-through estimator vs a dense reference
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 1000])
-def test_binary_mapper_matches_dense_reference(chunk):
+@pytest.mark.parametrize("chunk,H", [(1, 4), (3, 4), (1000, 4), (3, 1), (4, 5), (7, 8)])
+def test_binary_mapper_matches_dense_reference(chunk, H):
+    """Chunked, and with G factorised into the low and high halves of the bits (odd H and
+    H = 1, whose low half is empty, included)."""
     torch.manual_seed(0)
-    H, D, B, T = 4, 8, 2, 5
+    D, B, T = 8, 2, 5
     logits0 = torch.randn(B, T, H) * 1.5
     W0 = torch.randn(2 ** H, D)
     codes = model_lib.sample_codes(logits0)
