@@ -4,7 +4,10 @@
     python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation
     python bench.py --suite knobs       # forward_prefetch, limit_all_gathers off, CPU offload
     python bench.py --suite tune        # one GPU: the compiled 1B at micro-batch 8 and 12
-    python bench.py --suite capacity    # largest model that trains: FULL_SHARD + AC vs DDP
+    python bench.py --suite free        # one GPU: Free Transformer vs baseline at 1b (16 layers) and 1.5b (24)
+    python bench.py --suite text        # one GPU: data-loader share on real packed text vs random tokens
+    python bench.py --suite capacity --memory-cap-gib 78   # largest model: FULL_SHARD + AC vs DDP + AC
+    python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU
     make bench SUITE=multi
 
 Every entry is a torchrun launch of train_fsdp.py on `--dataset random` (uniform tokens, so
@@ -14,6 +17,13 @@ reported: step time, tokens/s per GPU, MFU against the bf16 dense peak (989 TFLO
 H200) and against a measured 8192^3 bf16 GEMM rate, peak allocated and reserved memory per
 GPU (max over ranks) and the fraction of step time spent fetching batches. Results go to
 OUT/bench.json and OUT/bench.md.
+
+--memory-cap-gib N limits every process's CUDA caching allocator to N GiB
+(torch.cuda.set_per_process_memory_fraction), so a larger card answers "does it fit on an
+80 GB H100" (78 GiB usable) for real: a run over the cap fails with out-of-memory.
+
+The text suite reads bench_data/corpus.txt: if absent it is built from the Python standard
+library's .py files (sorted, about 12 MB), and the trainer trains its 32k BPE tokenizer once.
 """
 
 import argparse
@@ -22,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 
 import torch
@@ -33,6 +44,13 @@ BASE = ["--dataset", "random", "--tokenizer-vocab-size", "32000", "--seq-len", "
         "--eval-every", "0", "--eval-samples", "8", "--no-save-final", "--warmup-steps", "2", "--lr", "3e-4",
         "--overwrite"]
 ONE_B = ["--size", "1b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
+CORPUS = os.path.join("bench_data", "corpus.txt")
+CORPUS_BYTES = 12 << 20
+
+
+def width_4096(n_layer):
+    """The 8b preset's width (4096, 32 heads, 8 KV heads, SwiGLU 14336) at another depth."""
+    return ["--size", "8b", "--arch", "baseline", "--n-layer", str(n_layer)]
 
 
 def suite(name, ngpu):
@@ -70,17 +88,36 @@ def suite(name, ngpu):
         return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
                 ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
                 ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7)]
+    if name == "free":
+        one = ["--micro-batch", "8", "--global-batch", "8", "--compile"]
+        big = ["--size", "1.5b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
+        return [("1b baseline compile", 1, ONE_B + one, 14),
+                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14),
+                ("1.5b baseline compile", 1, big + one, 14),
+                ("1.5b free compile", 1, big + one + ["--arch", "free"], 14)]
+    if name == "text":
+        one = ["--micro-batch", "8", "--global-batch", "8", "--compile"]
+        text = ["--dataset", CORPUS, "--tokenizer-vocab-size", "32000", "--cache-dir", "bench_data/cache"]
+        return [("1b compile, random tokens", 1, ONE_B + one, 14),
+                ("1b compile, packed text", 1, ONE_B + one + text, 14)]
     if name == "capacity":
+        # Width 4096 at growing depth, micro-batch 2, activation checkpointing for both, so the
+        # difference is the sharding alone.
         runs = []
-        for size in ("1.5b", "8b"):
-            model = ["--size", size, "--arch", "baseline", "--micro-batch", "2", "--global-batch", str(2 * ngpu)]
-            runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
-            runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
-        runs.append(("8b free FULL_SHARD+AC", ngpu, ["--size", "8b", "--arch", "free", "--meta-init",
-                                                      "--activation-checkpointing", "--micro-batch", "2",
-                                                      "--global-batch", str(2 * ngpu)], 7))
+        per_gpu = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing"]
+        for layers in (16, 20, 24):
+            runs.append((f"DDP+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--strategy", "ddp"], 6))
+        for layers in (72, 80, 88):
+            runs.append((f"FULL_SHARD+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--meta-init"], 6))
         return runs
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, capacity")
+    if name == "8b":
+        model = ["--size", "8b", "--meta-init", "--compile", "--global-batch", str(2 * ngpu), "--micro-batch", "2"]
+        return [("8b baseline compile", ngpu, model + ["--arch", "baseline"], 10),
+                ("8b free compile", ngpu, model + ["--arch", "free"], 10),
+                ("8b free compile micro 4 AC every 2nd", ngpu,
+                 model + ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4",
+                          "--activation-checkpointing", "--ac-every", "2"], 10)]
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, 8b")
 
 
 def gemm_tflops():
@@ -97,12 +134,28 @@ def gemm_tflops():
     return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0) / 1e12
 
 
-def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm):
-    run_dir = os.path.join(out, name.replace(" ", "_").replace("+", "_"))
+def build_corpus():
+    """bench_data/corpus.txt: the standard library's .py files in sorted order, up to CORPUS_BYTES."""
+    if os.path.exists(CORPUS):
+        return
+    os.makedirs(os.path.dirname(CORPUS), exist_ok=True)
+    stdlib, size = sysconfig.get_paths()["stdlib"], 0
+    with open(CORPUS + ".tmp", "w") as out:
+        for root, dirs, files in sorted(os.walk(stdlib)):
+            dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "test", "__pycache__"))
+            for f in sorted(files):
+                if f.endswith(".py") and size < CORPUS_BYTES:
+                    with open(os.path.join(root, f), errors="replace") as fh:
+                        size += out.write(fh.read())
+    os.replace(CORPUS + ".tmp", CORPUS)
+
+
+def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm, cap_gib):
+    run_dir = os.path.join(out, name.replace(" ", "_").replace("+", "_").replace(",", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "train_fsdp.py", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
+           "bench.py", "--train", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(cap_gib)})
     row = {"name": name, "gpus": nproc, "flags": " ".join(flags), "wall_s": round(time.perf_counter() - t0, 1)}
     with open(run_dir + ".log", "w") as fh:
         fh.write(proc.stdout + proc.stderr)
@@ -142,6 +195,8 @@ def main():
     p.add_argument("--suite", default="single", help="single, multi, knobs, tune or capacity")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
+    p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "
+                   "(78 = an 80 GB H100's usable memory); 0 = the whole card")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPUs; no CUDA device here")
@@ -153,13 +208,16 @@ def main():
     if peak is None:
         raise SystemExit(f"no bf16 peak known for {card}: add it to train_fsdp.PEAK_BF16_FLOPS")
     header = (f"{args.suite} suite, {ngpu} x {card}, torch {torch.__version__}, measured bf16 GEMM "
-              f"{gemm:.0f} TFLOP/s, {time.strftime('%Y-%m-%d')}, sequence 2048, vocabulary 32000")
+              f"{gemm:.0f} TFLOP/s, {time.strftime('%Y-%m-%d')}, sequence 2048, vocabulary 32000"
+              + (f", memory capped at {args.memory_cap_gib:g} GiB per GPU" if args.memory_cap_gib else ""))
+    if args.suite == "text":
+        build_corpus()
     print(header, flush=True)
     rows = []
     for name, nproc, flags, steps in suite(args.suite, ngpu):
         if args.only and args.only not in name:
             continue
-        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm))
+        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm, args.memory_cap_gib))
         print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
         json.dump({"header": header, "rows": rows}, fh, indent=1)
@@ -169,5 +227,19 @@ def main():
     print(table)
 
 
+def train_under_cap():
+    """`bench.py --train ARGS`: one torchrun worker, the trainer itself, with the allocator capped."""
+    cap = float(os.environ.get("BENCH_MEMORY_CAP_GIB") or 0)
+    if cap:
+        device = int(os.environ.get("LOCAL_RANK", 0))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2 ** 30 / total), device)
+    sys.argv = ["train_fsdp.py"] + sys.argv[2:]
+    train_fsdp.run()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--train"]:
+        train_under_cap()
+    else:
+        main()

@@ -473,7 +473,9 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, init_fn=None):
     if t.strategy == "none":
         model = model.to(device)
     elif t.strategy == "ddp":
-        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
     else:
         model = FSDP(model, **fsdp_kwargs(cfg, wrap_classes, dist_info, init_fn))
     if f.activation_checkpointing:
@@ -960,6 +962,11 @@ class RunLog:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
 
+    def close(self):
+        if self.rank == 0:
+            self.jsonl.close()
+            self.text.close()
+
 
 # A resume may not change what the run computes; other changes (logging, max_steps, FSDP
 # knobs, world size) are allowed and logged.
@@ -1250,6 +1257,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    log.close()
     dist.barrier()
     if dist_info["owner"]:
         dist.destroy_process_group()
@@ -1272,7 +1280,17 @@ def run():
         print(message, file=sys.stderr)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(code)
+    leave(code)
+
+
+def leave(code):
+    """Exit without tearing down the interpreter. A gloo worker thread (the CPU backend, and the
+    control group on GPUs) may still be releasing the tensors of a finished collective; if that
+    needs the GIL while Python is finalising, the process aborts with SIGABRT after a run that
+    succeeded (seen on torch 2.13 under CPU load). Everything is written and closed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

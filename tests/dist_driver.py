@@ -22,3 +22,4 @@ if __name__ == "__main__":
         train_fsdp.main(argv)
     if dist.is_initialized():
         dist.destroy_process_group()
+    train_fsdp.leave(0)  # see leave(): avoids a gloo teardown race at interpreter exit

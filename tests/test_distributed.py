@@ -85,6 +85,7 @@ def two(tmp_path_factory):
     runs.update({
         "ddp": ["--strategy", "ddp"],
         "ddp_accum_sync": ["--strategy", "ddp", "--micro-batch", "2", "--grad-accum-mode", "sync"],
+        "ddp_ac": ["--strategy", "ddp", "--activation-checkpointing", "--micro-batch", "2"],
         "accum_no_sync": ["--micro-batch", "2", "--grad-accum-mode", "no_sync"],
         "accum_sync": ["--micro-batch", "2", "--grad-accum-mode", "sync"],
         "accum_sync_zero2": ["--micro-batch", "1", "--grad-accum-mode", "sync", "--sharding-strategy",
@@ -129,6 +130,7 @@ def test_fsdp_two_processes_equal_one_process(single, two, strategy, wrap):
 def test_ddp_equals_one_process(single, two):
     assert_same(two["ddp"][0], single["none"][0])
     assert_same(two["ddp_accum_sync"][0], single["none"][0])
+    assert_same(two["ddp_ac"][0], single["none"][0])  # checkpointing inside DDP, with no_sync accumulation
 
 
 def test_accumulation_layouts_are_equal(single, two, four):
