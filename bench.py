@@ -6,7 +6,8 @@
     python bench.py --suite tune        # one GPU: the compiled 1B at micro-batch 8 and 12
     python bench.py --suite free        # one GPU: Free Transformer vs baseline at 1b (16 layers) and 1.5b (24)
     python bench.py --suite text        # one GPU: data-loader share on real packed text vs random tokens
-    python bench.py --suite capacity --memory-cap-gib 78   # largest model: FULL_SHARD + AC vs DDP + AC
+    python bench.py --suite capacity    # 1.5b and 8b: FULL_SHARD + AC vs DDP
+    python bench.py --suite sweep --memory-cap-gib 78      # largest model: FULL_SHARD + AC vs DDP + AC
     python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU
     make bench SUITE=multi
 
@@ -101,8 +102,18 @@ def suite(name, ngpu):
         return [("1b compile, random tokens", 1, ONE_B + one, 14),
                 ("1b compile, packed text", 1, ONE_B + one + text, 14)]
     if name == "capacity":
+        runs = []
+        for size in ("1.5b", "8b"):
+            model = ["--size", size, "--arch", "baseline", "--micro-batch", "2", "--global-batch", str(2 * ngpu)]
+            runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
+            runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
+        runs.append(("8b free FULL_SHARD+AC", ngpu, ["--size", "8b", "--arch", "free", "--meta-init",
+                                                      "--activation-checkpointing", "--micro-batch", "2",
+                                                      "--global-batch", str(2 * ngpu)], 7))
+        return runs
+    if name == "sweep":
         # Width 4096 at growing depth, micro-batch 2, activation checkpointing for both, so the
-        # difference is the sharding alone.
+        # difference is the sharding alone. Run with --memory-cap-gib 78 for an 80 GB H100.
         runs = []
         per_gpu = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing"]
         for layers in (16, 20, 24):
@@ -117,7 +128,7 @@ def suite(name, ngpu):
                 ("8b free compile micro 4 AC every 2nd", ngpu,
                  model + ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4",
                           "--activation-checkpointing", "--ac-every", "2"], 10)]
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, 8b")
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, sweep, 8b")
 
 
 def gemm_tflops():
@@ -192,7 +203,7 @@ def markdown(rows, header):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single", help="single, multi, knobs, tune or capacity")
+    p.add_argument("--suite", default="single", help="single, multi, knobs, tune, free, text, capacity, sweep or 8b")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "

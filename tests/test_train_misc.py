@@ -64,3 +64,20 @@ def test_profile_writes_chrome_traces(runs):
         with open(path) as fh:
             trace = json.load(fh)
         assert trace["traceEvents"], path
+
+
+@pytest.mark.parametrize("suite", ["single", "multi", "knobs", "tune", "free", "text", "capacity", "sweep", "8b"])
+def test_bench_suites_are_valid_trainer_commands(suite):
+    """Every bench.py entry parses and validates as a trainer command, and the shapes are what
+    the names say (GPU time is too scarce to find a typo there)."""
+    import bench
+    import model as model_lib
+    for name, nproc, flags, steps in bench.suite(suite, 4):
+        cfg = train_fsdp.parse_config(bench.BASE + flags + ["--max-steps", str(steps), "--out-dir", "x"])
+        train_fsdp.check_config(cfg)
+        assert nproc in (1, 4)
+        if "layers" in name:
+            assert f"{cfg.model.n_layer} layers" in name and cfg.model.d_model == 4096
+        if name.startswith(("1b", "1.5b", "8b")):
+            assert cfg.model.n_layer == model_lib.SIZE_PRESETS[name.split()[0]]["n_layer"]
+            assert cfg.model.arch == ("free" if " free" in name else "baseline")
