@@ -1,6 +1,12 @@
 """A short CPU training run on the synthetic task: the Free Transformer uses Z (its KL rises
 from 0 at initialisation) and its validation CE, with Z from the encoder, falls below the
-baseline's after the same number of steps (the block position is then carried by Z)."""
+baseline's after the same number of steps (the block position is then carried by Z).
+
+The run uses 2 free bits per token (kappa = 2 log 2 nats), not the default half bit. Whether Z
+gets used within 400 steps of this tiny model is seed- and machine-dependent at half a bit
+(2026-11-26, 2-core CPU: 4 of 6 seeds, and not the default seed 1337, beat the baseline by
+0.01); at 2 bits all 9 seeds tried did (CE 0.136-0.314 against the baseline's 0.338)."""
+import math
 import os
 import sys
 
@@ -10,7 +16,7 @@ from test_distributed import launch  # noqa: E402
 
 SHORT = ["--strategy", "none", "--n-layer", "4", "--d-model", "64", "--n-head", "4", "--latent-bits", "8",
          "--max-steps", "400", "--global-batch", "32", "--lr", "3e-3", "--warmup-steps", "50",
-         "--log-every", "100", "--eval-every", "100", "--eval-samples", "256"]
+         "--log-every", "100", "--eval-every", "100", "--eval-samples", "256", "--kappa", str(2 * math.log(2))]
 
 
 def test_free_transformer_uses_z_and_beats_the_baseline_ce(tmp_path):
