@@ -1,5 +1,7 @@
 # Launchers for the built-in synthetic task. Every GPU through torchrun when there are GPUs,
-# else 2 CPU processes with gloo. Extra trainer flags: make train-free-fsdp ARGS="--max-steps 50"
+# else 2 CPU processes with gloo. Extra trainer flags: make train-free-fsdp ARGS="--max-steps 50";
+# the run directory: make train-free-fsdp RUN=runs/mine (not --out-dir in ARGS: the
+# demonstration after training reads RUN).
 PYTHON ?= python3
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
 NPROC := $(if $(filter 0,$(NGPU)),2,$(NGPU))
@@ -10,21 +12,26 @@ TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distribute
 .PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep sample test clean
 
 # Each training target ends with the synthetic-task demonstration (sample.py --demo).
+train-free-fsdp: RUN ?= runs/free-fsdp-$(STAMP)
+train-baseline-fsdp: RUN ?= runs/baseline-fsdp-$(STAMP)
+train-free: RUN ?= runs/free-$(STAMP)
+train-baseline: RUN ?= runs/baseline-$(STAMP)
+
 train-free-fsdp:
-	$(TORCHRUN) train_fsdp.py $(TASK) --arch free --out-dir runs/free-fsdp-$(STAMP) $(ARGS)
-	$(PYTHON) sample.py --ckpt runs/free-fsdp-$(STAMP) --demo
+	$(TORCHRUN) train_fsdp.py $(TASK) --arch free --out-dir $(RUN) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(RUN) --demo
 
 train-baseline-fsdp:
-	$(TORCHRUN) train_fsdp.py $(TASK) --arch baseline --out-dir runs/baseline-fsdp-$(STAMP) $(ARGS)
-	$(PYTHON) sample.py --ckpt runs/baseline-fsdp-$(STAMP) --demo
+	$(TORCHRUN) train_fsdp.py $(TASK) --arch baseline --out-dir $(RUN) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(RUN) --demo
 
 train-free:
-	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch free --out-dir runs/free-$(STAMP) $(ARGS)
-	$(PYTHON) sample.py --ckpt runs/free-$(STAMP) --demo
+	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch free --out-dir $(RUN) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(RUN) --demo
 
 train-baseline:
-	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir runs/baseline-$(STAMP) $(ARGS)
-	$(PYTHON) sample.py --ckpt runs/baseline-$(STAMP) --demo
+	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir $(RUN) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(RUN) --demo
 
 # Free-bits sweep on the synthetic task: kappa in bits per token (converted to nats).
 KAPPA_BITS ?= 0.015625 0.125 0.5 2 4

@@ -1185,7 +1185,10 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
 
     model.train()
     window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
-    bar = tqdm(total=max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="train")
+    # The bar is for a terminal: in a Slurm or redirected log its redraws would fill the file with
+    # one endless line, and the log lines there carry the same numbers.
+    bar = tqdm(total=max_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(),
+               dynamic_ncols=True, desc="train")
     val = {}
     try:
         for step in range(start_step, max_steps):

@@ -17,7 +17,7 @@ run() {  # name, args...
     summary "$OUT/$name.log"; tail -1 "$OUT/$name.log"
 }
 TINY="--size tiny --latent-bits 8 --max-steps 30 --log-every 10 --eval-every 0 --eval-samples 64"
-run make_free make train-free-fsdp ARGS="--out-dir runs/make-free"
+run make_free make train-free-fsdp RUN=runs/make-free
 run offload   $TR train_fsdp.py $TINY --cpu-offload --out-dir runs/offload
 run syncstate $TR train_fsdp.py $TINY --sync-module-states --out-dir runs/syncstate
 run fp16      $TR train_fsdp.py $TINY --param-dtype fp16 --reduce-dtype fp16 --out-dir runs/fp16

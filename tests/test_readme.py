@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,3 +33,16 @@ def test_every_flag_in_the_readme_exists():
     known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", README))
     assert mentioned - known == set()
+
+
+def test_make_training_targets_train_and_demonstrate_in_one_run_directory():
+    """`make train-* RUN=DIR` trains into DIR and the demonstration that follows reads DIR;
+    without RUN each target gets its own timestamped directory."""
+    for target in ("train-free-fsdp", "train-baseline-fsdp", "train-free", "train-baseline"):
+        named = subprocess.run(["make", "-n", target, "RUN=runs/mine", "ARGS=--max-steps 3"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+        assert "--out-dir runs/mine --max-steps 3" in named[0] and named[1].endswith("--ckpt runs/mine --demo")
+        default = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.splitlines()
+        run_dir = re.search(r"--out-dir (runs/\S+)", default[0]).group(1)
+        assert run_dir.startswith(f"runs/{target[len('train-'):]}-") and f"--ckpt {run_dir} --demo" in default[1]
