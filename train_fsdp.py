@@ -1290,7 +1290,8 @@ def leave(code):
     """Exit without tearing down the interpreter. A gloo worker thread (the CPU backend, and the
     control group on GPUs) may still be releasing the tensors of a finished collective; if that
     needs the GIL while Python is finalising, the process aborts with SIGABRT after a run that
-    succeeded (seen on torch 2.13 under CPU load). Everything is written and closed by now."""
+    succeeded (seen on torch 2.13 under CPU load; the race is described in pytorch PR #179291).
+    Everything is written and closed by now."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
