@@ -356,8 +356,11 @@ def setup_distributed(cfg):
             raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; on CPU "
                            "every rank already builds the same weights from --seed")
     if cfg.train.debug:
+        # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported: setting the
+        # variable now is not enough, so set the level itself too, before the process group exists.
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env.setdefault("NCCL_DEBUG", "INFO")
+        dist.set_debug_level_from_env()
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible "
@@ -1159,6 +1162,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                  "(norm weights too); pass --use-orig-params to exempt 1-D weights")
     if peak is None and device.type == "cuda":
         log.line(f"MFU not reported: unknown bf16 peak for {torch.cuda.get_device_name(device)}")
+    if t.debug:
+        log.line(f"distributed debug level {dist.get_debug_level().name}, NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
     log.line(f"run directory: {run_dir} | checkpoints: {c.checkpoint_type}")
 
     profiler = None

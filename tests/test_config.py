@@ -473,6 +473,7 @@ def runs(tmp_path_factory):
         return [*TINY, "--out-dir", d / "f"]
     add("out_dir_is_file", out_dir_is_file)
     add("ok", lambda d: [*TINY, "--out-dir", d / "ok"])
+    add("debug", lambda d: [*TINY, "--debug", "--out-dir", d / "run"])
 
     def with_config(d):
         toml = write_toml(d / "run.toml", "[model]\narch = \"baseline\"\nn_layer = 2\nd_model = 32\nn_head = 2\n"
@@ -486,6 +487,13 @@ def runs(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = {name: pool.submit(run_cli, args) for name, (args, _) in scenarios.items()}
         return {name: (futures[name].result(), scenarios[name][1]) for name in scenarios}
+
+
+def test_cli_debug_turns_on_distributed_debugging(runs):
+    """--debug sets the level torch.distributed uses (reading the variable after import is not enough)."""
+    proc, _ = runs["debug"]
+    assert proc.returncode == 0, proc.stderr
+    assert "distributed debug level DETAIL, NCCL_DEBUG=INFO" in proc.stdout
 
 
 def test_cli_unknown_flag(runs):
