@@ -1195,6 +1195,10 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     bar = tqdm(total=max_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(),
                dynamic_ncols=True, desc="train")
     val = {}
+    if start_step >= max_steps:  # every rank: evaluation is collective
+        log.line(f"{run_dir} already finished at step {start_step} (max_steps {max_steps}): nothing to train; "
+                 "pass a larger --max-steps to continue it")
+        val = evaluate(model, data, cfg, dist_info, micro, compute_loss)
     try:
         for step in range(start_step, max_steps):
             lr = lr_at(step, peak_lr, cfg, max_steps)
@@ -1257,7 +1261,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 window_start += time.perf_counter() - t0  # and saving
             if stop.item() and not last:
                 raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "
-                                f"exiting with code {EXIT_PREEMPTED}; run the same command again to resume")
+                                f"exiting with code {EXIT_PREEMPTED}; run the same command with --out-dir "
+                                f"{run_dir} to resume")
     finally:
         bar.close()
         if profiler:

@@ -875,3 +875,17 @@ def test_keep_metric_lines_drops_records_after_the_resume_step(tmp_path):
                     + json.dumps({"step": 7, "val_loss": 0.5}) + "\n")
     train_fsdp.keep_metric_lines(str(path), 4)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_reports_its_validation(tmp_path):
+    """The same command again on a finished run: exit 0, no step trained, one line that says why,
+    and the final validation of the saved model (the same numbers as at the end of the run)."""
+    args = TINY + ["--strategy", "none", "--max-steps", "2", "--out-dir", tmp_path / "run"]
+    first = cli(args)
+    assert first.returncode == 0, first.stderr
+    again = cli(args)
+    assert again.returncode == 0, again.stderr
+    assert f"{tmp_path / 'run'} already finished at step 2 (max_steps 2): nothing to train" in again.stdout
+    finals = [line for p in (first, again) for line in p.stdout.splitlines() if line.startswith("final validation")]
+    assert len(finals) == 2 and finals[0] == finals[1] and "ce " in finals[1], finals
+    assert loss_steps(tmp_path / "run") == [1, 2]
