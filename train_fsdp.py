@@ -717,11 +717,18 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
     root = os.path.join(run_dir, "checkpoints")
     name = f"step_{step:07d}"
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
     error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"{e.strerror}: {e.filename}"
+    failure = [error]  # also the barrier: no rank writes before the directory exists
+    dist.broadcast_object_list(failure, src=0, group=dist_info["control"])
+    if failure[0]:
+        raise RunFailed(f"saving the checkpoint of step {step} failed ({failure[0]}); the previous checkpoint "
+                        "is intact")
     try:
         if c.checkpoint_type == "sharded":
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -813,9 +820,10 @@ def check_checkpoint(path):
         raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {type(e).__name__}: {e}")
 
 
-def find_resume_checkpoint(run_dir, notes):
+def find_resume_checkpoint(run_dir, notes, skip=()):
     """(path, meta) of the latest complete checkpoint of a run directory, falling back to older
-    ones (saying so) when the newest is corrupted; (None, None) when there is none."""
+    ones (saying so) when the newest is corrupted; (None, None) when there is none. `skip`: paths
+    that passed this check but failed to load."""
     root = os.path.join(run_dir, "checkpoints")
     names = complete_checkpoints(root)
     try:
@@ -825,6 +833,8 @@ def find_resume_checkpoint(run_dir, notes):
     except OSError:
         pass
     for name in names:
+        if os.path.join(root, name) in skip:
+            continue
         try:
             return os.path.join(root, name), check_checkpoint(os.path.join(root, name))
         except RunFailed as e:
@@ -834,8 +844,23 @@ def find_resume_checkpoint(run_dir, notes):
 
 def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
     """Restore model, optimizer, scaler and RNG states; returns (step, tokens_seen). A sharded
-    checkpoint loads at any world size and sharding strategy (DCP reshards)."""
+    checkpoint loads at any world size and sharding strategy (DCP reshards). A file that has its
+    size but not its content fails here, on some ranks or all: every rank raises RunFailed."""
     meta = check_checkpoint(path)
+    error = None
+    try:
+        load_states(path, meta, model, optimizer, scaler, cfg, dist_info)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = f"rank {dist_info['rank']}: {type(e).__name__}: {e}"
+    errors = [None] * dist_info["world"]
+    dist.all_gather_object(errors, error, group=dist_info["control"])
+    errors = [e for e in errors if e]
+    if errors:
+        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {errors[0].splitlines()[0]}")
+    return meta["step"], meta["tokens_seen"], meta
+
+
+def load_states(path, meta, model, optimizer, scaler, cfg, dist_info):
     if meta["type"] == "sharded":
         # get_optimizer_state_dict initialises empty optimizer state first, so DCP has tensors to
         # load into even before the first step (otherwise resharding fails on missing keys).
@@ -858,7 +883,25 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
         set_rng_state(torch.load(rng_file, weights_only=False))
     else:  # other ranks, other streams: seed them from the step so the run stays reproducible
         torch.manual_seed(cfg.train.seed + dist_info["rank"] + 1_000_003 * meta["step"])
-    return meta["step"], meta["tokens_seen"], meta
+
+
+def load_resume_checkpoint(path, run_dir, model, optimizer, scaler, cfg, dist_info, log):
+    """load_checkpoint; under --resume auto a checkpoint that fails to load (a file with the right
+    size and the wrong bytes) gives way to the next older complete one, saying so. Returns the
+    path loaded and load_checkpoint's (step, tokens_seen, meta)."""
+    failed = []
+    while True:
+        try:
+            return path, load_checkpoint(path, model, optimizer, scaler, cfg, dist_info)
+        except RunFailed as e:
+            if cfg.checkpoint.resume != "auto":
+                raise
+            failed.append(path)
+            path, meta = agree(lambda: find_resume_checkpoint(run_dir, [], skip=failed), dist_info["rank"])
+            if path is None:
+                raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: pass --overwrite to start afresh")
+            log.line(f"{e}; trying an older checkpoint")
+            log.keep_metrics_until(meta["step"])  # the steps after it will be logged again
 
 
 def checkpoint_weights(path):
@@ -959,6 +1002,12 @@ class RunLog:
             tqdm.write(msg)
             self.text.write(msg + "\n")
             self.text.flush()
+
+    def keep_metrics_until(self, step):
+        if self.rank == 0:  # keep_metric_lines replaces the file: reopen it
+            self.jsonl.close()
+            keep_metric_lines(self.jsonl.name, step)
+            self.jsonl = open(self.jsonl.name, "a")
 
     def metrics(self, record):
         if self.rank == 0:
@@ -1137,7 +1186,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         log.line(note)
     if resume:
         t0 = time.perf_counter()
-        start_step, tokens_seen, meta = load_checkpoint(resume, model, optimizer, scaler, cfg, dist_info)
+        resume, (start_step, tokens_seen, meta) = load_resume_checkpoint(resume, run_dir, model, optimizer, scaler,
+                                                                         cfg, dist_info, log)
+    if resume:
         log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {start_step}, saved by "
                  f"{meta['world_size']} processes" +
                  ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")

@@ -122,6 +122,13 @@ def truncate(path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+def garble(path):
+    """Overwrite a file with as many bytes of garbage: its size stays what meta.json says."""
+    size = os.path.getsize(path)
+    with open(path, "wb") as fh:
+        fh.write(bytes(i * 7 % 251 for i in range(size)))
+
+
 def cmd_args(run_dir, cache, extra):
     """The command line launch() builds for a run: TINY, its directories, then the extras."""
     return TINY + ["--out-dir", str(run_dir), "--cache-dir", str(cache)] + list(extra)
@@ -317,6 +324,12 @@ def res2(tmp_path_factory, ref2, four):
     d = interrupted_copy(ref2["full"][2], tmp / "res2-corrupt_full")
     truncate(os.path.join(ckpt_root(d), "step_0000006", "model.pt"))
     runs["corrupt_full"] = R + VARIANTS["full"]
+    # Files with their recorded sizes and the wrong bytes pass the size check and fail to load:
+    # on every rank (DCP's metadata) or on rank 1 only (its RNG state).
+    for name, rel in (("garbled_metadata", os.path.join("dcp", ".metadata")), ("garbled_rng", "rng_rank1.pt")):
+        d = interrupted_copy(ref2["FULL_SHARD"][2], tmp / f"res2-{name}")
+        garble(os.path.join(ckpt_root(d), "step_0000006", rel))
+        runs[name] = R
     # Allowed changes: resumed and logged.
     interrupted_copy(ref2["FULL_SHARD"][2], tmp / "res2-allowed")
     runs["allowed"] = R + ["--max-steps", "12", "--log-every", "2", "--sharding-strategy", "SHARD_GRAD_OP"]
@@ -547,7 +560,8 @@ def test_sigterm_single_process_saves_and_exits_3(tmp_path, one):
 
 
 @pytest.mark.parametrize("name,ref", [("corrupt_distcp", "FULL_SHARD"), ("corrupt_meta", "FULL_SHARD"),
-                                      ("corrupt_full", "full")])
+                                      ("corrupt_full", "full"), ("garbled_metadata", "FULL_SHARD"),
+                                      ("garbled_rng", "FULL_SHARD")])
 def test_corrupted_latest_falls_back_to_the_previous_checkpoint(ref2, res2, name, ref):
     losses, val, run_dir = res2[name]
     text = log_text(run_dir)
@@ -686,6 +700,21 @@ LIMIT = 64 * 1024
 FSIZE_WRAPPER = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                  f"resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT})); "
                  "sys.argv = ['train_fsdp.py', *sys.argv[1:]]; runpy.run_path('train_fsdp.py', run_name='__main__')")
+
+
+def test_save_that_cannot_make_its_directory_stops_both_ranks(one, tmp_path):
+    """Rank 0 cannot create the save's temporary directory (a file sits at its path): both ranks
+    stop with the same error at once instead of rank 1 waiting for rank 0 until the timeout."""
+    run_dir = shutil.copytree(one["disk_good"][2], tmp_path / "run")
+    with open(os.path.join(ckpt_root(run_dir), ".tmp-step_0000004"), "w") as fh:
+        fh.write("in the way")
+    workers = Workers(2, cmd_args(run_dir, tmp_path / "cache", ["--max-steps", "6", "--save-every", "2"]),
+                      str(tmp_path / "log"))
+    assert workers.wait(timeout=120) == [train_fsdp.EXIT_FAILED] * 2, workers.output()
+    line = [x for x in workers.stderr(0).splitlines() if x.startswith("error: ")]
+    assert len(line) == 1 and "saving the checkpoint of step 4 failed" in line[0], workers.output()
+    assert "the previous checkpoint is intact" in line[0]
+    assert latest_name(run_dir) == "step_0000003" and loss_steps(run_dir) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
