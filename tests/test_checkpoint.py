@@ -885,6 +885,8 @@ def test_keep_checkpoints_after_rolling_back_keeps_the_new_saves(one):
     latest = latest_name(run_dir)
     assert latest == "step_0000008"
     train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), latest))
+    # Kept by save time: the two new saves, not steps 9 and 10 of the abandoned branch.
+    assert sorted(os.listdir(ckpt_root(run_dir))) == ["latest", "step_0000007", "step_0000008"]
 
 
 # =============================================================================================
