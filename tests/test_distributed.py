@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -143,9 +144,21 @@ def test_accumulation_layouts_are_equal(single, two, four):
     assert_same(two["accum_sync_zero2"][0], ref)
 
 
+def rank0_share(run_dir):
+    """Rank 0's share of the parameters, from the start-up summary (padding makes it a bit more)."""
+    with open(os.path.join(run_dir, "training_log.txt")) as fh:
+        m = re.search(r"parameters: total ([\d,]+) \| trainable [\d,]+ \| on rank 0 ([\d,]+)", fh.read())
+    total, local = (int(g.replace(",", "")) for g in m.groups())
+    return local / total
+
+
 def test_hybrid_sharding_two_groups_of_two(single, four):
     assert_same(four["hybrid"][0], single["none"][0])
     assert_same(four["hybrid_zero2"][0], single["none"][0])
+    # Sharded over a group of 2, not over all 4 (equal losses alone cannot tell the two apart).
+    assert 0.5 <= rank0_share(four["hybrid"][2]) < 0.55
+    assert 0.5 <= rank0_share(four["hybrid_zero2"][2]) < 0.55
+    assert 0.25 <= rank0_share(four["full"][2]) < 0.3
 
 
 def test_activation_checkpointing_changes_no_loss(two):

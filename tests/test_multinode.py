@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_distributed import TINY, assert_same, clean_env, launch  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch, rank0_share  # noqa: E402
 
 
 def free_port():
@@ -57,6 +57,10 @@ def test_two_nodes_of_two_processes_hybrid_sharding(tmp_path, reference):
     }, "2x2")
     for name in ("full", "hybrid", "hybrid_zero2"):
         assert_same(losses[name], reference)
+    # Hybrid shards inside a node (2 processes), FULL_SHARD over all 4.
+    assert 0.5 <= rank0_share(tmp_path / "2x2-hybrid") < 0.55
+    assert 0.5 <= rank0_share(tmp_path / "2x2-hybrid_zero2") < 0.55
+    assert 0.25 <= rank0_share(tmp_path / "2x2-full") < 0.3
 
 
 def test_two_nodes_of_one_process_hybrid_is_replication(tmp_path, reference):
