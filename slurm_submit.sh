@@ -54,7 +54,11 @@ fail() {  # bad input: one clear line on stderr, exit 2, before anything starts
 # shellcheck disable=SC2086  # MODULES may name several modules: split on purpose
 if [[ -n "${MODULES:-}" ]]; then module load ${MODULES}; fi
 if [[ -n "${VENV:-}" ]]; then source "${VENV}/bin/activate"; fi
-if [[ -n "${CONDA_ENV:-}" ]]; then conda activate "${CONDA_ENV}"; fi
+if [[ -n "${CONDA_ENV:-}" ]]; then   # a batch shell has not run conda's init: load its hook first
+    command -v conda >/dev/null || fail "CONDA_ENV=${CONDA_ENV} but no conda on PATH (load its module with MODULES)"
+    eval "$(conda shell.bash hook)"
+    conda activate "${CONDA_ENV}"
+fi
 PYTHON=${PYTHON:-python3}
 [[ -f train_fsdp.py ]] || fail "train_fsdp.py not found in $(pwd): submit from the repository root (or pass --chdir)"
 [[ -n "${SLURM_JOB_ID:-}" ]] || fail "not inside a Slurm job: submit with sbatch slurm_submit.sh"
@@ -130,13 +134,19 @@ request_stop() {
 trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
 
-# Stopped on request (the trainer saved and exited 3; torchrun itself exits 1 after SIGTERM):
-# requeue, so the same job id, and so the same RUN_DIR, runs again and resumes. Not when Slurm
+# Stopped on request (the trainer saved, wrote RUN_DIR/stopped.json and exited 3; torchrun itself
+# exits 1, so the file is what tells a saved stop from a crash): requeue, so the same job id,
+# and so the same RUN_DIR, runs again and resumes. Not after a crash, and not when Slurm
 # is already ending the job (JobState COMPLETING: a plain scancel, which also sends TERM, or the
 # time limit reached without the USR1 warning): the checkpoint is saved, and submitting again
 # with the same RUN_DIR resumes. Requeueing ends this shell.
 finish() {
     local code=$1 state
+    if [[ -n "${SRUN_PID:-}" && -n "${STOP_SIGNAL}" && ${code} -ne 0 && ! -f "${RUN_DIR}/stopped.json" ]]; then
+        echo "$(date '+%F %T') signal ${STOP_SIGNAL}, but the trainer failed (exit code ${code}) without" \
+             "saving its stop checkpoint: not requeueing; its error: line above says why" >&2
+        exit "${code}"
+    fi
     if [[ -n "${STOP_SIGNAL}" && ${code} -ne 0 ]] || (( code == 3 )); then
         state=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
         if [[ "${state}" != "JobState=RUNNING" ]]; then
@@ -157,7 +167,10 @@ if [[ -n "${STOP_SIGNAL}" ]]; then finish 3; fi   # stopped before training star
 # One srun task per node; torchrun starts PROCS_PER_NODE processes on each and meets the others
 # at the c10d rendezvous on the head node. srun runs in the background so that this shell can
 # handle the signals while it waits (bash runs a trap only between commands).
-srun --kill-on-bad-exit=1 "${PYTHON}" -m torch.distributed.run \
+rm -f "${RUN_DIR}/stopped.json"   # left by the stop before a requeue; the trainer writes it anew
+# --cpus-per-task again: srun does not inherit sbatch's value on Slurm 22.05 and later, and its
+# step would otherwise bind every process of the node to one CPU.
+srun --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=${SLURM_CPUS_PER_TASK}} "${PYTHON}" -m torch.distributed.run \
     --nnodes="${NNODES}" --nproc_per_node="${PROCS_PER_NODE}" \
     --rdzv_backend=c10d --rdzv_endpoint="${HEAD_NODE}:${RDZV_PORT}" --rdzv_id="${SLURM_JOB_ID}" \
     train_fsdp.py --global-batch "${TOTAL_BATCH_SIZE}" --micro-batch "${BATCH_SIZE_PER_DEVICE}" \

@@ -165,6 +165,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal, checkpoint saved
+STOPPED_FILE = "stopped.json"  # in the run directory after an exit with code 3; removed at the next start
 
 
 class BadInput(Exception):
@@ -1080,6 +1081,8 @@ def prepare_run_dir(cfg, rank):
                                "resuming would silently change it: choose another directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
         os.makedirs(run_dir, exist_ok=True)
+        if os.path.exists(os.path.join(run_dir, STOPPED_FILE)):
+            os.remove(os.path.join(run_dir, STOPPED_FILE))
         start = meta["step"] if resume else 0
         keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), start)
         if not resume and os.path.exists(os.path.join(run_dir, "training_log.txt")):
@@ -1311,6 +1314,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
                 window_start += time.perf_counter() - t0  # and saving
             if stop.item() and not last:
+                if rank == 0:  # for launchers that cannot see our exit code (torchrun turns 3 into 1)
+                    write_text_atomic(os.path.join(run_dir, STOPPED_FILE), json.dumps({"step": step + 1}) + "\n")
                 raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "
                                 f"exiting with code {EXIT_PREEMPTED}; run the same command with --out-dir "
                                 f"{run_dir} to resume")

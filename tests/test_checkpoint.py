@@ -538,9 +538,12 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     assert meta["step"] == step and meta["world_size"] == nproc
     assert loss_steps(run_dir) == list(range(1, step + 1))
     assert not leftovers(run_dir)
+    with open(os.path.join(run_dir, train_fsdp.STOPPED_FILE)) as fh:  # what slurm_submit.sh reads
+        assert json.load(fh) == {"step": step}
 
     again = Workers(nproc, args, str(tmp_path / "resumed"))
     assert again.wait() == [0] * nproc, again.output()
+    assert not os.path.exists(os.path.join(run_dir, train_fsdp.STOPPED_FILE))
     assert resumed_step(run_dir) == step
     assert loss_steps(run_dir) == list(range(1, 21))
     assert losses_of(run_dir) == ref  # bit-identical to the uninterrupted run
