@@ -11,7 +11,9 @@ ARGS="--size 1b --arch baseline --meta-init --dataset random --tokenizer-vocab-s
 for type in sharded full; do
     run=/tmp/ckpt-$type
     rm -rf $run
-    $TR train_fsdp.py $ARGS --checkpoint-type $type --max-steps 2 --no-save-final --out-dir $run > "$OUT/ckpt_$type.log" 2>&1
+    # Step 2 is saved and is not the last step: the last one's save would also write the
+    # consolidated model.pt and time both. The second launch resumes from step 2.
+    $TR train_fsdp.py $ARGS --checkpoint-type $type --max-steps 3 --no-save-final --out-dir $run > "$OUT/ckpt_$type.log" 2>&1
     $TR train_fsdp.py $ARGS --checkpoint-type $type --max-steps 3 --no-save-final --out-dir $run >> "$OUT/ckpt_$type.log" 2>&1
     echo "$type ($NGPU GPUs): $(grep -hoE '(saved|resumed from) [^ ]+ in [0-9.]+ s' $run/training_log.txt | tr '\n' ';')"
     du -sh $run/checkpoints/step_0000002
