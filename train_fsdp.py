@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -958,10 +958,15 @@ def export_checkpoint(path):
     if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
         print(f"{path} already holds a consolidated model.pt")
         return os.path.join(path, "model.pt")
+    # Only the model's tensors, read by DCP in this one process (no_dist: no process group): the
+    # optimizer's two fp32 copies are never loaded or written (DCP's dcp_to_torch_save would).
+    reader = dcp.FileSystemReader(os.path.join(path, "dcp"))
+    model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+                   for key, md in reader.read_metadata().state_dict_metadata.items()
+                   if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
     tmp = os.path.join(path, "export.tmp")
-    dcp_to_torch_save(os.path.join(path, "dcp"), tmp)  # DCP's own format utility
-    state = torch.load(tmp, weights_only=False)
-    torch.save(consolidated_payload(state["model"], meta["config"], meta["step"], meta["tokens_seen"],
+    torch.save(consolidated_payload(model_state, meta["config"], meta["step"], meta["tokens_seen"],
                                     meta["tokenizer"]), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
     print(f"wrote {os.path.join(path, 'model.pt')}")
