@@ -1268,9 +1268,14 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             window_data += data_time
             if skipped:
                 log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
-            elif scaler is None and not t.skip_nonfinite:
-                # A finite loss can still give NaN gradients; either poisons the weights.
-                bad = ~(torch.isfinite(totals["loss"]) & torch.isfinite(grad_norm.to(device))) & (first_bad == never)
+            elif not t.skip_nonfinite:
+                # A finite loss can still give NaN gradients; either poisons the weights. Under fp16
+                # the grad scaler owns non-finite gradients (it skips the step and lowers the
+                # scale), but not a non-finite loss: the forward itself overflowed.
+                finite = torch.isfinite(totals["loss"])
+                if scaler is None:
+                    finite &= torch.isfinite(grad_norm.to(device))
+                bad = ~finite & (first_bad == never)
                 first_bad = torch.where(bad, step + 1, first_bad)
             tokens_seen += tokens_per_step
             window_steps += 1

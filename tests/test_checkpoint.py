@@ -625,6 +625,9 @@ def cli_runs(tmp_path_factory, ref2):
     jobs["init_mismatch"] = init_mismatch
 
     jobs["nonfinite"] = lambda: cli(cmd_args(tmp / "nonfinite", cache, NONFINITE))
+    # fp16: the grad scaler skips steps with non-finite gradients, but a non-finite loss stops the run.
+    jobs["nonfinite_fp16"] = lambda: cli(cmd_args(tmp / "nonfinite_fp16", cache, NONFINITE + [
+        "--param-dtype", "fp16", "--reduce-dtype", "fp16"]))
 
     # The final checkpoint without its consolidated model.pt (as a sharded checkpoint of any
     # other step is): exported from dcp/ and compared with the model.pt the run gathered itself.
@@ -840,13 +843,14 @@ def test_init_from_shape_mismatch_leaves_no_run_behind(cli_runs):
 # 10. Non-finite loss
 
 
-def test_nonfinite_loss_stops_with_exit_1(cli_runs):
+@pytest.mark.parametrize("name", ["nonfinite", "nonfinite_fp16"])
+def test_nonfinite_loss_stops_with_exit_1(cli_runs, name):
     _, _, tmp = cli_runs
-    line = error_line(cli_runs[0]["nonfinite"], train_fsdp.EXIT_FAILED)
+    line = error_line(cli_runs[0][name], train_fsdp.EXIT_FAILED)
     found = re.findall(r"the loss or its gradient became NaN/inf at step (\d+);", line)
     assert found, line
     bad = int(found[0])
-    run_dir = tmp / "nonfinite"
+    run_dir = tmp / name
     names = train_fsdp.complete_checkpoints(ckpt_root(run_dir))
     assert names and all(int(n[5:]) < bad for n in names), (bad, names)
     assert latest_name(run_dir) == names[0] and not leftovers(run_dir)
