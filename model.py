@@ -330,6 +330,10 @@ class Transformer(nn.Module):
     def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
         return None  # the baseline has no latent
 
+    def flops_per_token(self, seq_len):
+        """Training flops per token, for the trainer's MFU (see the module-level function)."""
+        return flops_per_token(self.cfg, seq_len)
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="encoder",
                  generator=None):

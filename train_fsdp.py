@@ -1177,8 +1177,13 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # For MFU: the model's own count of training flops per token, or, for a model that has none
+    # (one of yours through the seams), the usual estimate of 6 per parameter.
+    flops_tok = model.flops_per_token(data.seq_len) if hasattr(model, "flops_per_token") else 6 * n_params
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, dist_info, getattr(model, "init_module", None))
     local_params = sum(p.numel() for p in model.parameters())
+    rank_params = [None] * world
+    dist.all_gather_object(rank_params, local_params)
     torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
 
     max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
@@ -1205,7 +1210,6 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
 
     tokens_per_step = t.global_batch * data.seq_len
-    flops_tok = model_lib.flops_per_token(cfg.model, data.seq_len)
     peak = peak_flops(device)
     log.line(f"world {world} | backend {dist_info['backend']} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
@@ -1213,7 +1217,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                                          if t.strategy == "fsdp" else "") +
              (f" | dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}"
               if t.strategy == "fsdp" else f" | autocast {f.param_dtype} (reduce/buffer dtypes apply to FSDP only)"))
-    log.line(f"parameters: total {n_params:,} | trainable {n_trainable:,} | on rank 0 {local_params:,}")
+    log.line(f"parameters: total {n_params:,} | trainable {n_trainable:,} | on rank 0 {local_params:,} "
+             f"(fewest on a rank {min(rank_params):,}, most {max(rank_params):,})")
     log.line(f"batch: global {t.global_batch} = micro {micro} x world {world} x accum {accum} "
              f"({t.grad_accum_mode}) | seq {data.seq_len} | {tokens_per_step:,} tokens/step | {max_steps} steps")
     if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
