@@ -25,6 +25,7 @@ TINY = ["--arch", "baseline", "--n-layer", "2", "--d-model", "32", "--n-head", "
         "--global-batch", "8", "--log-every", "1", "--eval-every", "0", "--eval-samples", "16",
         "--param-dtype", "fp32", "--reduce-dtype", "fp32", "--warmup-steps", "2", "--lr", "3e-3",
         "--weight-decay", "0.1"]
+GQA_TIED = ["--n-kv-head", "1", "--tie-embeddings"]  # grouped-query attention and tied embeddings
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 WRAPS = [["--auto-wrap", "module"], ["--auto-wrap", "lambda"], ["--auto-wrap", "size", "--min-num-params", "2000"]]
 
@@ -76,6 +77,7 @@ def single(tmp_path_factory):
         "fsdp1": ["--strategy", "fsdp"],
         "meta1": ["--strategy", "fsdp", "--meta-init"],
         "val13": ["--strategy", "none", "--eval-samples", "13", "--eval-every", "2"],
+        "gqa_tied": ["--strategy", "none"] + GQA_TIED,
     }, "single")
 
 
@@ -93,6 +95,8 @@ def two(tmp_path_factory):
                              "SHARD_GRAD_OP"],
         "ac_all": ["--activation-checkpointing"],
         "ac_every2": ["--activation-checkpointing", "--ac-every", "2"],
+        "ac_size_wrap": ["--activation-checkpointing", "--auto-wrap", "size", "--min-num-params", "2000"],
+        "gqa_tied": GQA_TIED,
         "prefetch_post": ["--backward-prefetch", "BACKWARD_POST", "--forward-prefetch"],
         "prefetch_none": ["--backward-prefetch", "NONE", "--no-limit-all-gathers"],
         "flat_params": ["--no-use-orig-params", "--weight-decay", "0"],
@@ -119,6 +123,11 @@ def four(tmp_path_factory):
         "hybrid": ["--micro-batch", "2", "--sharding-strategy", "HYBRID_SHARD", "--hybrid-shard-size", "2"],
         "hybrid_zero2": ["--micro-batch", "2", "--sharding-strategy", "_HYBRID_SHARD_ZERO2",
                          "--hybrid-shard-size", "2"],
+        # Accumulation (2 micro-batches of 1) under hybrid sharding, in both modes.
+        "hybrid_accum_no_sync": ["--micro-batch", "1", "--sharding-strategy", "HYBRID_SHARD",
+                                 "--hybrid-shard-size", "2", "--grad-accum-mode", "no_sync"],
+        "hybrid_accum_sync": ["--micro-batch", "1", "--sharding-strategy", "HYBRID_SHARD",
+                              "--hybrid-shard-size", "2", "--grad-accum-mode", "sync"],
     }, "four")
 
 
@@ -161,10 +170,21 @@ def test_hybrid_sharding_two_groups_of_two(single, four):
     assert 0.25 <= rank0_share(four["full"][2]) < 0.3
 
 
+def test_hybrid_sharding_with_accumulation_equals_one_process(single, four):
+    assert_same(four["hybrid_accum_no_sync"][0], single["none"][0])
+    assert_same(four["hybrid_accum_sync"][0], single["none"][0])
+
+
 def test_activation_checkpointing_changes_no_loss(two):
     ref = two["FULL_SHARD-module"][0]
     assert_same(two["ac_all"][0], ref)
     assert_same(two["ac_every2"][0], ref)
+    assert_same(two["ac_size_wrap"][0], ref)
+
+
+def test_gqa_and_tied_embeddings_under_fsdp_equal_one_process(single, two):
+    assert_same(two["gqa_tied"][0], single["gqa_tied"][0])
+    assert two["gqa_tied"][0] != single["none"][0]  # the options change the model
 
 
 def test_other_fsdp_knobs_change_no_loss(single, two):
