@@ -161,6 +161,10 @@ for pattern in ("Please use DTensor instead", "_get_pg_default_device", "Multipl
                 "FSDP is switching to use `NO_SHARD`", "When using ``NO_SHARD``", "torch.distributed.checkpoint"):
     warnings.filterwarnings("ignore", message=f".*{pattern}")
 
+# What only FSDP reads (param_dtype and activation checkpointing serve DDP and one device too).
+FSDP_ONLY = {"sharding_strategy", "hybrid_shard_size", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
+             "use_orig_params", "cpu_offload", "sync_module_states", "auto_wrap", "min_num_params", "reduce_dtype",
+             "buffer_dtype"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -1221,6 +1225,11 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
              f"(fewest on a rank {min(rank_params):,}, most {max(rank_params):,})")
     log.line(f"batch: global {t.global_batch} = micro {micro} x world {world} x accum {accum} "
              f"({t.grad_accum_mode}) | seq {data.seq_len} | {tokens_per_step:,} tokens/step | {max_steps} steps")
+    if t.strategy != "fsdp":  # said, not refused: a config written for FSDP may be rerun as DDP to compare
+        ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items()
+                   if k in FSDP_ONLY and v != getattr(FSDPConfig(), k)]
+        if ignored:
+            log.line(f"with --strategy {t.strategy} these FSDP settings have no effect: {', '.join(ignored)}")
     if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
         log.line("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them "
                  "(norm weights too); pass --use-orig-params to exempt 1-D weights")

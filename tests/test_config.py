@@ -474,6 +474,9 @@ def runs(tmp_path_factory):
     add("out_dir_is_file", out_dir_is_file)
     add("ok", lambda d: [*TINY, "--out-dir", d / "ok"])
     add("debug", lambda d: [*TINY, "--debug", "--out-dir", d / "run"])
+    add("fsdp_knobs_under_ddp", lambda d: [*TINY, "--strategy", "ddp", "--sharding-strategy", "SHARD_GRAD_OP",
+                                           "--no-limit-all-gathers", "--activation-checkpointing",
+                                           "--out-dir", d / "run"])
 
     def with_config(d):
         toml = write_toml(d / "run.toml", "[model]\narch = \"baseline\"\nn_layer = 2\nd_model = 32\nn_head = 2\n"
@@ -494,6 +497,15 @@ def test_cli_debug_turns_on_distributed_debugging(runs):
     proc, _ = runs["debug"]
     assert proc.returncode == 0, proc.stderr
     assert "distributed debug level DETAIL, NCCL_DEBUG=INFO" in proc.stdout
+
+
+def test_cli_fsdp_settings_under_ddp_are_named_as_ignored(runs):
+    """Not refused (a config written for FSDP may be rerun as DDP), but said; activation
+    checkpointing is honoured by DDP, so it is not in the list."""
+    proc, _ = runs["fsdp_knobs_under_ddp"]
+    assert proc.returncode == 0, proc.stderr
+    assert ("with --strategy ddp these FSDP settings have no effect: --sharding-strategy SHARD_GRAD_OP, "
+            "--limit-all-gathers False\n") in proc.stdout
 
 
 def test_cli_unknown_flag(runs):
