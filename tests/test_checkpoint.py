@@ -46,6 +46,7 @@ VARIANTS = {  # test 1: every one resumed at the same world size must be bit-ide
     "full": ["--checkpoint-type", "full"],
     "ddp": ["--strategy", "ddp"],
     "free": ["--arch", "free", "--latent-bits", "4"],
+    "fp16": ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],  # with ShardedGradScaler's state
 }
 KILL_ARGS = ["--max-steps", "12", "--save-every", "1"]   # test 3
 SIGNAL_ARGS = ["--max-steps", "20"]                      # test 4
@@ -297,7 +298,16 @@ def four(tmp_path_factory, ref2):
     return launch(tmp, 4, {
         "from2": R + ["--micro-batch", "2"],
         "save4": R + ["--micro-batch", "2"],
+        "save4_batch12": R + ["--global-batch", "12"],  # a batch 3 processes can split too
     }, "four")
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, four):
+    """3 processes resume a 4-process checkpoint (DCP reshards 4 -> 3)."""
+    tmp = tmp_path_factory.mktemp("three")
+    interrupted_copy(four["save4_batch12"][2], tmp / "three-from4")
+    return launch(tmp, 3, {"from4": R + ["--global-batch", "12"]}, "three")
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +396,11 @@ def test_resume_same_world_size_is_bit_identical(ref2, res2, name):
     assert latest_name(run_dir) == "step_0000010" and not leftovers(run_dir)
     meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000010"))
     assert meta["step"] == 10 and meta["world_size"] == 2
+    # The fp16 grad scaler resumed where it was (scale, growth tracker), not afresh: powers-of-two
+    # scales would leave the losses unchanged, so compare the state itself.
+    ref_meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(ref2[name][2]), "step_0000010"))
+    assert meta["scaler"] == ref_meta["scaler"]
+    assert (meta["scaler"] is not None) == (name == "fp16")
 
 
 def test_free_transformer_resume_restores_the_sampling_rng(ref2, res2):
@@ -442,6 +457,12 @@ def test_four_process_checkpoint_resumes_on_two(ref2, four, res2):
     assert meta["world_size"] == 4
     assert resumed_step(run_dir) == 6 and "saved by 4 processes" in log_text(run_dir)
     assert_same(losses, ref2["FULL_SHARD"][0], rel=1e-5)
+
+
+def test_four_process_checkpoint_resumes_on_three(four, three):
+    losses, _, run_dir = three["from4"]
+    assert resumed_step(run_dir) == 6 and "saved by 4 processes" in log_text(run_dir)
+    assert_same(losses, four["save4_batch12"][0], rel=1e-5)
 
 
 # =============================================================================================

@@ -14,6 +14,7 @@ README = open(os.path.join(ROOT, "README.md")).read()
 SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue", "--cpus-per-task", "--batch",
                 "--wait", "--nnodes"}
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
+PIP_FLAGS = {"--index-url"}
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
                 "--prompt-z", "--fixed-z", "--demo", "--device"}
 
@@ -30,7 +31,7 @@ def test_settings_table_lists_every_field_with_its_default():
 
 def test_every_flag_in_the_readme_exists():
     parser_flags = {a for action in train_fsdp.build_arg_parser()._actions for a in action.option_strings}
-    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS
+    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", README))
     assert mentioned - known == set()
 
@@ -38,11 +39,14 @@ def test_every_flag_in_the_readme_exists():
 def test_make_training_targets_train_and_demonstrate_in_one_run_directory():
     """`make train-* RUN=DIR` trains into DIR and the demonstration that follows reads DIR;
     without RUN each target gets its own timestamped directory."""
+    def dry_run(*args):  # the commands make would run (not "make[1]: Entering ..." under `make test`)
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+
     for target in ("train-free-fsdp", "train-baseline-fsdp", "train-free", "train-baseline"):
-        named = subprocess.run(["make", "-n", target, "RUN=runs/mine", "ARGS=--max-steps 3"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.splitlines()
+        named = dry_run(target, "RUN=runs/mine", "ARGS=--max-steps 3")
         assert "--out-dir runs/mine --max-steps 3" in named[0] and named[1].endswith("--ckpt runs/mine --demo")
-        default = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.splitlines()
+        default = dry_run(target)
         run_dir = re.search(r"--out-dir (runs/\S+)", default[0]).group(1)
         assert run_dir.startswith(f"runs/{target[len('train-'):]}-") and f"--ckpt {run_dir} --demo" in default[1]
