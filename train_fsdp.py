@@ -84,7 +84,8 @@ class FSDPConfig:
     ac_every: int = opt(1, "checkpoint every k-th block (1 = all)")
     param_dtype: str = opt("bf16", "dtype of parameters in forward/backward", ["bf16", "fp16", "fp32"])
     reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
-    buffer_dtype: str = opt("fp32", "dtype of buffers", ["bf16", "fp16", "fp32"])
+    buffer_dtype: str = opt("fp32", "dtype of buffers (the built-in models have none: RoPE is computed in fp32)",
+                            ["bf16", "fp16", "fp32"])
 
 
 @dataclass
