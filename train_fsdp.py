@@ -716,6 +716,14 @@ def consolidated_payload(state, config, step, tokens_seen, tokenizer):
     return {"model": state, "config": config, "step": step, "tokens_seen": tokens_seen, "tokenizer": tokenizer}
 
 
+def any_rank_error(error, dist_info):
+    """The first error (a string, or None) of any rank, on every rank: a rank that fails alone
+    must stop every rank, not leave them waiting at the next collective."""
+    errors = [None] * dist_info["world"]
+    dist.all_gather_object(errors, error, group=dist_info["control"])
+    return next((e for e in errors if e), None)
+
+
 def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, data, dist_info, consolidate):
     """Save on every rank (state dicts and DCP are collectives). `consolidate` also writes the
     single-file model.pt next to a sharded checkpoint (done at the end of training)."""
@@ -730,11 +738,10 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
             os.makedirs(tmp)
         except OSError as e:
             error = f"{e.strerror}: {e.filename}"
-    failure = [error]  # also the barrier: no rank writes before the directory exists
-    dist.broadcast_object_list(failure, src=0, group=dist_info["control"])
-    if failure[0]:
-        raise RunFailed(f"saving the checkpoint of step {step} failed ({failure[0]}); the previous checkpoint "
-                        "is intact")
+    failed = f"saving the checkpoint of step {step} failed ({{}}); the previous checkpoint is intact"
+    error = any_rank_error(error, dist_info)  # also the barrier: no rank writes before the directory exists
+    if error:
+        raise RunFailed(failed.format(error))
     try:
         if c.checkpoint_type == "sharded":
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -753,26 +760,20 @@ def save_checkpoint(model, optimizer, scaler, cfg, run_dir, step, tokens_seen, d
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    errors = [None] * dist_info["world"]
-    dist.all_gather_object(errors, error, group=dist_info["control"])
-    errors = [e for e in errors if e]
-    if errors:
+    error = any_rank_error(error, dist_info)
+    if error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise RunFailed(f"saving the checkpoint of step {step} failed ({errors[0].splitlines()[0]}); "
-                        f"the previous checkpoint is intact")
-    error = None
+        raise RunFailed(failed.format(error.splitlines()[0]))
     if rank == 0:
         try:
             publish_checkpoint(tmp, final, root, name, step, tokens_seen, cfg, data, scaler, dist_info["world"])
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{e.strerror}: {e.filename}"
-    failure = [error]
-    dist.broadcast_object_list(failure, src=0, group=dist_info["control"])
-    if failure[0]:
-        raise RunFailed(f"saving the checkpoint of step {step} failed ({failure[0]}); the previous checkpoint "
-                        "is intact")
+    error = any_rank_error(error, dist_info)
+    if error:
+        raise RunFailed(failed.format(error))
     return final
 
 
@@ -858,11 +859,9 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
         load_states(path, meta, model, optimizer, scaler, cfg, dist_info)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = f"rank {dist_info['rank']}: {type(e).__name__}: {e}"
-    errors = [None] * dist_info["world"]
-    dist.all_gather_object(errors, error, group=dist_info["control"])
-    errors = [e for e in errors if e]
-    if errors:
-        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {errors[0].splitlines()[0]}")
+    error = any_rank_error(error, dist_info)
+    if error:
+        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {error.splitlines()[0]}")
     return meta["step"], meta["tokens_seen"], meta
 
 
@@ -1206,7 +1205,6 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         t0 = time.perf_counter()
         resume, (start_step, tokens_seen, meta) = load_resume_checkpoint(resume, run_dir, model, optimizer, scaler,
                                                                          cfg, dist_info, log)
-    if resume:
         log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {start_step}, saved by "
                  f"{meta['world_size']} processes" +
                  ("" if meta["world_size"] == world else "; RNG streams re-seeded for the new world size") + ")")
