@@ -134,18 +134,21 @@ request_stop() {
 trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
 
-# Stopped on request (the trainer saved, wrote RUN_DIR/stopped.json and exited 3; torchrun itself
-# exits 1, so the file is what tells a saved stop from a crash): requeue, so the same job id,
-# and so the same RUN_DIR, runs again and resumes. Not after a crash, and not when Slurm
-# is already ending the job (JobState COMPLETING: a plain scancel, which also sends TERM, or the
-# time limit reached without the USR1 warning): the checkpoint is saved, and submitting again
-# with the same RUN_DIR resumes. Requeueing ends this shell.
+# Stopped on request: requeue, so the same job id, and so the same RUN_DIR, runs again and
+# resumes from its latest complete checkpoint. The trainer saved, wrote RUN_DIR/stopped.json and
+# exited 3 (torchrun itself exits 1, so the file is what says the stop was clean). Without the
+# file the trainer failed after the signal (or the signal came while it was still starting):
+# requeued all the same, since the resume starts from a complete checkpoint, and a failure that
+# repeats then ends the job (no signal, no requeue). Not requeued when Slurm is already ending
+# the job (JobState COMPLETING: a plain scancel, which also sends TERM, or the time limit reached
+# without the USR1 warning): submitting again with the same RUN_DIR resumes. Requeueing ends
+# this shell.
 finish() {
     local code=$1 state
     if [[ -n "${SRUN_PID:-}" && -n "${STOP_SIGNAL}" && ${code} -ne 0 && ! -f "${RUN_DIR}/stopped.json" ]]; then
-        echo "$(date '+%F %T') signal ${STOP_SIGNAL}, but the trainer failed (exit code ${code}) without" \
-             "saving its stop checkpoint: not requeueing; its error: line above says why" >&2
-        exit "${code}"
+        echo "$(date '+%F %T') signal ${STOP_SIGNAL}, but the trainer exited with code ${code} without saving" \
+             "a stop checkpoint (its error: line above says why); the next run resumes from the latest" \
+             "complete one" >&2
     fi
     if [[ -n "${STOP_SIGNAL}" && ${code} -ne 0 ]] || (( code == 3 )); then
         state=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)

@@ -335,6 +335,8 @@ def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
     assert 10 <= stopped < 200, log
     # the checkpoint it resumed from is the one saved on the signal (rank 0's line in the .err file)
     assert f"signal SIGTERM at step {stopped}: checkpoint saved, exiting with code 3" in files["err"], report
+    # a clean stop: the trainer's stopped.json was there, so no "without saving" line
+    assert "without saving a stop checkpoint" not in files["err"] + out, report
     got, want = read_metrics(run_dir), read_metrics(ref_dir)
     assert_same_losses(got, want, rel=1e-6)
     print(f"\nstopped at step {stopped}, resumed after requeue; losses after it match the uninterrupted run "
