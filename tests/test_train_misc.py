@@ -81,3 +81,21 @@ def test_bench_suites_are_valid_trainer_commands(suite):
         if name.startswith(("1b", "1.5b", "8b")):
             assert cfg.model.n_layer == model_lib.SIZE_PRESETS[name.split()[0]]["n_layer"]
             assert cfg.model.arch == ("free" if " free" in name else "baseline")
+
+
+def test_log_records_and_start_up_summary(runs):
+    """Every log record carries the throughput and memory fields, consistent with each other,
+    and rank 0's summary names world, backend, dtypes, parameter counts and the batch layout."""
+    tokens_per_step = 8 * 66  # TINY: global batch 8, synthetic rows of 66 tokens
+    recs = records(runs["plain"][2])
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
+    for r in recs:
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(tokens_per_step, rel=1e-6)
+        assert r["tokens_seen"] == r["step"] * tokens_per_step
+        assert 0 <= r["data_fraction"] < 1 and r["mem_peak_gib"] > 0 and r["lr"] > 0 and r["grad_norm"] > 0
+    with open(os.path.join(runs["plain"][2], "training_log.txt")) as fh:
+        log = fh.read()
+    for line in ("world 2 | backend gloo | device cpu", "strategy fsdp FULL_SHARD wrap=module",
+                 "dtypes param=fp32 reduce=fp32 buffer=fp32", "parameters: total 34,976 | trainable 34,976",
+                 "batch: global 8 = micro 4 x world 2 x accum 1 (no_sync) | seq 66 | 528 tokens/step"):
+        assert line in log, log
