@@ -181,6 +181,10 @@ class RunFailed(Exception):
     """The run cannot go on (non-finite loss, a save that failed): one line, exit code 1."""
 
 
+class CorruptCheckpoint(RunFailed):
+    """A checkpoint whose files cannot be read; --resume auto tries an older one."""
+
+
 def sections(cfg):
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
@@ -854,14 +858,21 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, dist_info):
     checkpoint loads at any world size and sharding strategy (DCP reshards). A file that has its
     size but not its content fails here, on some ranks or all: every rank raises RunFailed."""
     meta = check_checkpoint(path)
-    error = None
+    error = None  # (message, whether the files are unreadable) of this rank
     try:
         load_states(path, meta, model, optimizer, scaler, cfg, dist_info)
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        error = f"rank {dist_info['rank']}: {type(e).__name__}: {e}"
+    except RunFailed as e:  # readable, but not resumable (e.g. saved without optimizer state)
+        error = (str(e), False)
+    except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
+        error = (f"loading {path} failed on rank {dist_info['rank']}: {type(e).__name__}: {e}", False)
+    except (Exception, CheckpointException) as e:  # bytes that do not load (CheckpointException is
+        # a BaseException)
+        error = (f"rank {dist_info['rank']}: {type(e).__name__}: {e}", True)
     error = any_rank_error(error, dist_info)
+    if error and error[1]:
+        raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupted: {error[0].splitlines()[0]}")
     if error:
-        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {error.splitlines()[0]}")
+        raise RunFailed(error[0].splitlines()[0])
     return meta["step"], meta["tokens_seen"], meta
 
 
@@ -897,16 +908,20 @@ def load_resume_checkpoint(path, run_dir, model, optimizer, scaler, cfg, dist_in
     failed = []
     while True:
         try:
-            return path, load_checkpoint(path, model, optimizer, scaler, cfg, dist_info)
-        except RunFailed as e:
+            loaded = load_checkpoint(path, model, optimizer, scaler, cfg, dist_info)
+        except CorruptCheckpoint as e:
             if cfg.checkpoint.resume != "auto":
                 raise
             failed.append(path)
-            path, meta = agree(lambda: find_resume_checkpoint(run_dir, [], skip=failed), dist_info["rank"])
+            path, _ = agree(lambda: find_resume_checkpoint(run_dir, [], skip=failed), dist_info["rank"])
             if path is None:
-                raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: pass --overwrite to start afresh")
+                raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: start from its weights with "
+                                "--init-from, or afresh with --overwrite (which deletes its checkpoints)")
             log.line(f"{e}; trying an older checkpoint")
-            log.keep_metrics_until(meta["step"])  # the steps after it will be logged again
+            continue
+        if failed:  # resumed from an older step than planned: its later records will be logged again
+            log.keep_metrics_until(loaded[0])
+        return path, loaded
 
 
 def checkpoint_weights(path):

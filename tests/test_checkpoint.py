@@ -948,3 +948,18 @@ def test_rerunning_a_finished_run_trains_nothing_and_reports_its_validation(tmp_
     finals = [line for p in (first, again) for line in p.stdout.splitlines() if line.startswith("final validation")]
     assert len(finals) == 2 and finals[0] == finals[1] and "ce " in finals[1], finals
     assert loss_steps(tmp_path / "run") == [1, 2]
+
+
+def test_resume_from_weights_only_checkpoints_is_refused_not_treated_as_corrupted(tmp_path):
+    """Full checkpoints saved with --no-full-optimizer load, but cannot be resumed: one error
+    line pointing to --init-from, no fallback through the older ones, the metrics untouched."""
+    run_dir = tmp_path / "run"
+    args = TINY + ["--strategy", "none", "--checkpoint-type", "full", "--no-full-optimizer", "--save-every", "2",
+                   "--out-dir", run_dir]
+    first = cli(args + ["--max-steps", "4"])
+    assert first.returncode == 0, first.stderr
+    again = cli(args + ["--max-steps", "6"])
+    line = error_line(again, train_fsdp.EXIT_FAILED)
+    assert "holds no optimizer state" in line and "--init-from" in line, line
+    assert "corrupted" not in again.stdout + again.stderr
+    assert loss_steps(run_dir) == [1, 2, 3, 4]
