@@ -138,17 +138,26 @@ trap 'request_stop TERM' TERM
 # resumes from its latest complete checkpoint. The trainer saved, wrote RUN_DIR/stopped.json and
 # exited 3 (torchrun itself exits 1, so the file is what says the stop was clean). Without the
 # file the trainer failed after the signal (or the signal came while it was still starting):
-# requeued all the same, since the resume starts from a complete checkpoint, and a failure that
-# repeats then ends the job (no signal, no requeue). Not requeued when Slurm is already ending
-# the job (JobState COMPLETING: a plain scancel, which also sends TERM, or the time limit reached
-# without the USR1 warning): submitting again with the same RUN_DIR resumes. Requeueing ends
-# this shell.
+# requeued all the same, once, since the resume starts from a complete checkpoint; if the next
+# run fails after a signal too (a save that always fails, say), the job ends
+# (RUN_DIR/requeued_after_failure marks the first time; a clean stop or a finished run clears
+# it). Not requeued when Slurm is already ending the job (JobState COMPLETING: a plain scancel,
+# which also sends TERM, or the time limit reached without the USR1 warning): submitting again
+# with the same RUN_DIR resumes. Requeueing ends this shell.
 finish() {
-    local code=$1 state
+    local code=$1 state marker="${RUN_DIR}/requeued_after_failure"
     if [[ -n "${SRUN_PID:-}" && -n "${STOP_SIGNAL}" && ${code} -ne 0 && ! -f "${RUN_DIR}/stopped.json" ]]; then
+        if [[ -f "${marker}" ]]; then
+            echo "$(date '+%F %T') signal ${STOP_SIGNAL}, and the trainer failed again (exit code ${code}) without" \
+                 "saving a stop checkpoint: not requeueing; its error: line above says why" >&2
+            exit "${code}"
+        fi
         echo "$(date '+%F %T') signal ${STOP_SIGNAL}, but the trainer exited with code ${code} without saving" \
              "a stop checkpoint (its error: line above says why); the next run resumes from the latest" \
              "complete one" >&2
+        mkdir -p "${RUN_DIR}" && touch "${marker}"
+    elif [[ -n "${SRUN_PID:-}" ]] && { [[ -f "${RUN_DIR}/stopped.json" ]] || (( code == 0 )); }; then
+        rm -f "${marker}"
     fi
     if [[ -n "${STOP_SIGNAL}" && ${code} -ne 0 ]] || (( code == 3 )); then
         state=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)

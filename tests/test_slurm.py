@@ -374,3 +374,48 @@ def test_processes_per_node_come_from_the_allocation(slurm_vars, procs, tmp_path
     world = 2 * procs
     assert res.stderr.strip() == (f"error: TOTAL_BATCH_SIZE=1000 is not divisible by BATCH_SIZE_PER_DEVICE=3 x {world} "
                                   f"processes (2 nodes x {procs}); use a multiple of {3 * world}"), res.stderr
+
+
+def requeue_decision(tmp_path, clean):
+    """Runs the script with stub srun / scancel / scontrol (no cluster): the stub srun sends
+    USR1 to the batch shell, waits until the shell has asked for the stop (scancel), writes the
+    trainer's stopped.json if `clean`, and exits 1 as torchrun does. Returns (exit code, output,
+    whether the job was requeued)."""
+    stubs, run_dir = tmp_path / "stubs", tmp_path / "run"
+    stubs.mkdir(exist_ok=True)
+    run_dir.mkdir(exist_ok=True)
+    for name in ("scancelled", "requeued"):
+        if (stubs / name).exists():
+            (stubs / name).unlink()
+    scripts = {
+        "scancel": f"#!/bin/sh\ntouch {stubs}/scancelled\n",
+        "scontrol": f"#!/bin/sh\n[ \"$1\" = requeue ] && touch {stubs}/requeued\n"
+                    "[ \"$1\" = show ] && echo 'JobId=7 JobState=RUNNING'\nexit 0\n",
+        "srun": f"#!/bin/sh\nkill -USR1 $PPID\nwhile [ ! -e {stubs}/scancelled ]; do sleep 0.05; done\n"
+                + (f"echo '{{\"step\": 5}}' > {run_dir}/stopped.json\n" if clean else "") + "exit 1\n",
+    }
+    for name, text in scripts.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {**base_env(""), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_PER_NODE": "0",
+           "CPU_PROCS_PER_NODE": "1", "TOTAL_BATCH_SIZE": "1", "BATCH_SIZE_PER_DEVICE": "1", "HEAD_NODE": "localhost",
+           "RDZV_PORT": "1", "RUN_DIR": str(run_dir), "PATH": f"{stubs}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return res.returncode, res.stdout + res.stderr, (stubs / "requeued").exists()
+
+
+def test_a_failure_after_the_signal_is_requeued_once(tmp_path):
+    """No stopped.json: requeued the first time (the resume starts from a complete checkpoint),
+    not the second (a save that always fails must not requeue forever); a clean stop requeues
+    and clears the mark."""
+    code, out, requeued = requeue_decision(tmp_path, clean=False)
+    assert (code, requeued) == (0, True), out
+    assert "without saving a stop checkpoint" in out and "resumes from the latest complete one" in out, out
+    code, out, requeued = requeue_decision(tmp_path, clean=False)
+    assert (code, requeued) == (1, False), out
+    assert "failed again (exit code 1) without saving a stop checkpoint: not requeueing" in out, out
+    code, out, requeued = requeue_decision(tmp_path, clean=True)
+    assert (code, requeued) == (0, True) and "without saving" not in out, out
+    assert not (tmp_path / "run" / "requeued_after_failure").exists()
+    code, out, requeued = requeue_decision(tmp_path, clean=False)  # the mark was cleared: once more
+    assert (code, requeued) == (0, True), out
