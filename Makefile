@@ -11,27 +11,26 @@ TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distribute
 
 .PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep sample test clean
 
-# Each training target ends with the synthetic-task demonstration (sample.py --demo).
-train-free-fsdp: RUN ?= runs/free-fsdp-$(STAMP)
-train-baseline-fsdp: RUN ?= runs/baseline-fsdp-$(STAMP)
-train-free: RUN ?= runs/free-$(STAMP)
-train-baseline: RUN ?= runs/baseline-$(STAMP)
+# Each training target ends with the synthetic-task demonstration (sample.py --demo). The run
+# directory: RUN given on the command line, else a new one per launch (an exported RUN in the
+# environment is not taken).
+run_dir = $(if $(filter command line,$(origin RUN)),$(RUN),runs/$(1)-$(STAMP))
 
 train-free-fsdp:
-	$(TORCHRUN) train_fsdp.py $(TASK) --arch free --out-dir $(RUN) $(ARGS)
-	$(PYTHON) sample.py --ckpt $(RUN) --demo
+	$(TORCHRUN) train_fsdp.py $(TASK) --arch free --out-dir $(call run_dir,free-fsdp) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(call run_dir,free-fsdp) --demo
 
 train-baseline-fsdp:
-	$(TORCHRUN) train_fsdp.py $(TASK) --arch baseline --out-dir $(RUN) $(ARGS)
-	$(PYTHON) sample.py --ckpt $(RUN) --demo
+	$(TORCHRUN) train_fsdp.py $(TASK) --arch baseline --out-dir $(call run_dir,baseline-fsdp) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(call run_dir,baseline-fsdp) --demo
 
 train-free:
-	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch free --out-dir $(RUN) $(ARGS)
-	$(PYTHON) sample.py --ckpt $(RUN) --demo
+	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch free --out-dir $(call run_dir,free) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(call run_dir,free) --demo
 
 train-baseline:
-	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir $(RUN) $(ARGS)
-	$(PYTHON) sample.py --ckpt $(RUN) --demo
+	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir $(call run_dir,baseline) $(ARGS)
+	$(PYTHON) sample.py --ckpt $(call run_dir,baseline) --demo
 
 # Free-bits sweep on the synthetic task: kappa in bits per token (converted to nats).
 KAPPA_BITS ?= 0.015625 0.125 0.5 2 4

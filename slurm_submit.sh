@@ -53,11 +53,13 @@ fail() {  # bad input: one clear line on stderr, exit 2, before anything starts
 # --- environment: a venv or conda env named by a variable, optional modules ---------------
 # shellcheck disable=SC2086  # MODULES may name several modules: split on purpose
 if [[ -n "${MODULES:-}" ]]; then module load ${MODULES}; fi
-if [[ -n "${VENV:-}" ]]; then source "${VENV}/bin/activate"; fi
+if [[ -n "${VENV:-}" ]]; then set +u; source "${VENV}/bin/activate"; set -u; fi
 if [[ -n "${CONDA_ENV:-}" ]]; then   # a batch shell has not run conda's init: load its hook first
     command -v conda >/dev/null || fail "CONDA_ENV=${CONDA_ENV} but no conda on PATH (load its module with MODULES)"
+    set +u   # conda's activation scripts (and packages' activate.d) read unset variables
     eval "$(conda shell.bash hook)"
     conda activate "${CONDA_ENV}"
+    set -u
 fi
 PYTHON=${PYTHON:-python3}
 [[ -f train_fsdp.py ]] || fail "train_fsdp.py not found in $(pwd): submit from the repository root (or pass --chdir)"

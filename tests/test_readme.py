@@ -38,9 +38,10 @@ def test_every_flag_in_the_readme_exists():
 
 def test_make_training_targets_train_and_demonstrate_in_one_run_directory():
     """`make train-* RUN=DIR` trains into DIR and the demonstration that follows reads DIR;
-    without RUN each target gets its own timestamped directory."""
+    without RUN on the command line each target gets its own timestamped directory."""
     def dry_run(*args):  # the commands make would run (not "make[1]: Entering ..." under `make test`)
         env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        env["RUN"] = "runs/from-the-environment"  # an exported RUN is not the run directory
         return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, check=True).stdout.splitlines()
 
