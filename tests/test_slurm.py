@@ -419,3 +419,25 @@ def test_a_failure_after_the_signal_is_requeued_once(tmp_path):
     assert not (tmp_path / "run" / "requeued_after_failure").exists()
     code, out, requeued = requeue_decision(tmp_path, clean=False)  # the mark was cleared: once more
     assert (code, requeued) == (0, True), out
+
+
+def test_environment_hooks_venv_conda_and_modules(tmp_path):
+    """VENV, CONDA_ENV and MODULES run before anything else (a stub conda and module here); the
+    activation scripts may read unset variables (set -u is off around them). The job then
+    stops at the batch check, so nothing trains."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text('echo "venv activated${NOT_SET_ANYWHERE}"\n')
+    (tmp_path / "conda").write_text("#!/bin/sh\n# `conda shell.bash hook` prints the shell function\n"
+                                    "echo 'conda() { echo \"conda $1 $2${NOT_SET_EITHER}\"; }'\n")
+    (tmp_path / "conda").chmod(0o755)
+    env = {**base_env(""), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_PER_NODE": "0",
+           "CPU_PROCS_PER_NODE": "2", "TOTAL_BATCH_SIZE": "3", "BATCH_SIZE_PER_DEVICE": "1",
+           "VENV": str(tmp_path / "venv"), "CONDA_ENV": "myenv", "MODULES": "gcc cuda",
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    # `module` is a shell function on clusters; a stub on PATH stands in for it
+    (tmp_path / "module").write_text('#!/bin/sh\necho "module $*"\n')
+    (tmp_path / "module").chmod(0o755)
+    res = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "is not divisible" in res.stderr, res.stdout + res.stderr
+    assert res.stdout.splitlines()[:3] == ["module load gcc cuda", "venv activated", "conda activate myenv"], res.stdout
