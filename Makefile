@@ -1,7 +1,6 @@
 # Launchers for the built-in synthetic task. Every GPU through torchrun when there are GPUs,
 # else 2 CPU processes with gloo. Extra trainer flags: make train-free-fsdp ARGS="--max-steps 50";
-# the run directory: make train-free-fsdp RUN=runs/mine (not --out-dir in ARGS: the
-# demonstration after training reads RUN).
+# the run directory: make train-free-fsdp RUN=runs/mine (see run_dir below).
 PYTHON ?= python3
 NGPU := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
 NPROC := $(if $(filter 0,$(NGPU)),2,$(NGPU))
@@ -11,9 +10,9 @@ TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distribute
 
 .PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep sample test clean
 
-# Each training target ends with the synthetic-task demonstration (sample.py --demo). The run
-# directory: RUN given on the command line, else a new one per launch (an exported RUN in the
-# environment is not taken).
+# Each training target ends with the synthetic-task demonstration (sample.py --demo), which
+# reads the same run directory: RUN given on the command line (not --out-dir in ARGS), else a
+# new one per launch (an exported RUN in the environment is not taken).
 run_dir = $(if $(filter command line,$(origin RUN)),$(RUN),runs/$(1)-$(STAMP))
 
 train-free-fsdp:

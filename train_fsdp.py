@@ -1240,8 +1240,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     log.line(f"batch: global {t.global_batch} = micro {micro} x world {world} x accum {accum} "
              f"({t.grad_accum_mode}) | seq {data.seq_len} | {tokens_per_step:,} tokens/step | {max_steps} steps")
     if t.strategy != "fsdp":  # said, not refused: a config written for FSDP may be rerun as DDP to compare
+        defaults = dataclasses.asdict(FSDPConfig())
         ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items()
-                   if k in FSDP_ONLY and v != getattr(FSDPConfig(), k)]
+                   if k in FSDP_ONLY and v != defaults[k]]
         if ignored:
             log.line(f"with --strategy {t.strategy} these FSDP settings have no effect: {', '.join(ignored)}")
     if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
