@@ -9,6 +9,7 @@
     python bench.py --suite capacity    # 1.5b and 8b: FULL_SHARD + AC vs DDP
     python bench.py --suite sweep --memory-cap-gib 78      # largest model: FULL_SHARD + AC vs DDP + AC
     python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU
+    python bench.py --suite offload --memory-cap-gib 78    # CPU offload past the GPU-only limit
     make bench SUITE=multi
 
 Every entry is a torchrun launch of train_fsdp.py on `--dataset random` (uniform tokens, so
@@ -30,6 +31,7 @@ library's .py files (sorted, about 12 MB), and the trainer trains its 32k BPE to
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -116,9 +118,9 @@ def suite(name, ngpu):
         # difference is the sharding alone. Run with --memory-cap-gib 78 for an 80 GB H100.
         runs = []
         per_gpu = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing"]
-        for layers in (16, 20, 24):
+        for layers in (16, 18, 20):
             runs.append((f"DDP+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--strategy", "ddp"], 6))
-        for layers in (72, 80, 88):
+        for layers in (76, 80, 84):
             runs.append((f"FULL_SHARD+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--meta-init"], 6))
         return runs
     if name == "8b":
@@ -128,7 +130,14 @@ def suite(name, ngpu):
                 ("8b free compile micro 4 AC every 2nd", ngpu,
                  model + ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4",
                           "--activation-checkpointing", "--ac-every", "2"], 10)]
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, sweep, 8b")
+    if name == "offload":
+        # Past the GPU-only limit of the sweep: parameters, gradients and AdamW state on the host.
+        # A step takes tens of seconds (the optimizer runs on the CPU), so 4 steps, median of the last 2.
+        flags = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing",
+                 "--meta-init", "--cpu-offload"]
+        return [(f"CPU offload+AC {layers} layers", ngpu, width_4096(layers) + flags, 4, 2) for layers in (96,)]
+    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, sweep, "
+                     "8b, offload")
 
 
 def gemm_tflops():
@@ -161,21 +170,28 @@ def build_corpus():
     os.replace(CORPUS + ".tmp", CORPUS)
 
 
-def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm, cap_gib):
+def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm, cap_gib, timeout_s, warmup=WARMUP):
     run_dir = os.path.join(out, name.replace(" ", "_").replace("+", "_").replace(",", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "bench.py", "--train", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(cap_gib)})
+    # Own process group, so a run past --timeout-s is killed with all its workers.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(cap_gib)})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\nbench.py: killed after --timeout-s {timeout_s}\n"
     row = {"name": name, "gpus": nproc, "flags": " ".join(flags), "wall_s": round(time.perf_counter() - t0, 1)}
     with open(run_dir + ".log", "w") as fh:
-        fh.write(proc.stdout + proc.stderr)
+        fh.write(output)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = output.strip().splitlines()
         oom = any("out of memory" in line.lower() for line in tail)
         return {**row, "error": "OOM" if oom else (tail[-1][:200] if tail else f"exit {proc.returncode}")}
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        recs = [r for r in map(json.loads, fh) if "loss" in r][WARMUP:]
+        recs = [r for r in map(json.loads, fh) if "loss" in r][warmup:]
     # The trainer's own per-step figures (its flop count and its table of card peaks).
     step = statistics.median(r["step_time_s"] for r in recs)
     mfu = statistics.median(r["mfu"] for r in recs)
@@ -203,11 +219,13 @@ def markdown(rows, header):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single", help="single, multi, knobs, tune, free, text, capacity, sweep or 8b")
+    p.add_argument("--suite", default="single", help="single, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "
                    "(78 = an 80 GB H100's usable memory); 0 = the whole card")
+    p.add_argument("--timeout-s", type=float, default=0, help="kill an entry that runs longer than this "
+                   "(recorded as an error); 0 = no limit")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPUs; no CUDA device here")
@@ -225,10 +243,11 @@ def main():
         build_corpus()
     print(header, flush=True)
     rows = []
-    for name, nproc, flags, steps in suite(args.suite, ngpu):
+    for name, nproc, flags, steps, *warmup in suite(args.suite, ngpu):
         if args.only and args.only not in name:
             continue
-        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm, args.memory_cap_gib))
+        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm, args.memory_cap_gib,
+                              args.timeout_s, *warmup))
         print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
         json.dump({"header": header, "rows": rows}, fh, indent=1)

@@ -66,13 +66,15 @@ def test_profile_writes_chrome_traces(runs):
         assert trace["traceEvents"], path
 
 
-@pytest.mark.parametrize("suite", ["single", "multi", "knobs", "tune", "free", "text", "capacity", "sweep", "8b"])
+@pytest.mark.parametrize("suite", ["single", "multi", "knobs", "tune", "free", "text", "capacity", "sweep", "8b",
+                                   "offload"])
 def test_bench_suites_are_valid_trainer_commands(suite):
     """Every bench.py entry parses and validates as a trainer command, and the shapes are what
     the names say (GPU time is too scarce to find a typo there)."""
     import bench
     import model as model_lib
-    for name, nproc, flags, steps in bench.suite(suite, 4):
+    for name, nproc, flags, steps, *warmup in bench.suite(suite, 4):
+        assert steps - (warmup[0] if warmup else bench.WARMUP) >= 2, name  # a median over at least 2 steps
         cfg = train_fsdp.parse_config(bench.BASE + flags + ["--max-steps", str(steps), "--out-dir", "x"])
         train_fsdp.check_config(cfg)
         assert nproc in (1, 4)
