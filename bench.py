@@ -175,14 +175,20 @@ def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm, cap_gib, timeou
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "bench.py", "--train", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
     t0 = time.perf_counter()
-    # Own process group, so a run past --timeout-s is killed with all its workers.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(cap_gib)})
     try:
         output, _ = proc.communicate(timeout=timeout_s or None)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0] + f"\nbench.py: killed after --timeout-s {timeout_s}\n"
+        # SIGTERM to torchrun, which stops its workers (they run in process groups of their own,
+        # so killing torchrun's group alone leaves them training on the GPUs); SIGKILL if it hangs.
+        proc.terminate()
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        output += f"\nbench.py: stopped after --timeout-s {timeout_s}\n"
     row = {"name": name, "gpus": nproc, "flags": " ".join(flags), "wall_s": round(time.perf_counter() - t0, 1)}
     with open(run_dir + ".log", "w") as fh:
         fh.write(output)

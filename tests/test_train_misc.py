@@ -100,3 +100,23 @@ def test_log_records_and_start_up_summary(runs):
                  "dtypes param=fp32 reduce=fp32 buffer=fp32", "parameters: total 34,976 | trainable 34,976",
                  "batch: global 8 = micro 4 x world 2 x accum 1 (no_sync) | seq 66 | 528 tokens/step"):
         assert line in log, log
+
+
+def test_bench_timeout_stops_the_workers_too(tmp_path):
+    """An entry past --timeout-s is recorded as stopped and leaves no trainer process behind
+    (torchrun's workers run in sessions of their own: killing torchrun's group alone missed them)."""
+    import bench
+    flags = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "1", "--global-batch", "2"]
+    row = bench.run_entry("never ends", 2, flags, 10 ** 6, str(tmp_path), 1.0, 1.0, 0, timeout_s=20)
+    assert "stopped after --timeout-s 20" in open(os.path.join(tmp_path, "never_ends.log")).read()
+    assert "error" in row
+    run_dir = os.path.join(str(tmp_path), "never_ends")
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if run_dir.encode() in fh.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"processes of the stopped entry still running: {left}"
