@@ -128,11 +128,12 @@ class Attention(nn.Module):
     def forward(self, q_in, kv_in, cos, sin, causal, cache=None):
         """cache (generation only): a dict holding this layer's keys and values so far; a
         prompt fills it, then each call adds one position."""
-        B, T, _ = q_in.shape
-        S = kv_in.shape[1]
-        q = self.wq(q_in).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(kv_in).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        B, T, _ = kv_in.shape
+        # q_in is (B, T, D), or one (1, 1, D) row shared by every position (the encoder's
+        # constant ζ): then it is projected once and broadcast, not T times.
+        q = self.wq(q_in).expand(B, T, -1).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(kv_in).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(kv_in).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             if "k" in cache:
@@ -198,7 +199,7 @@ class EncoderBlock(nn.Module):
         self.readout = nn.Linear(cfg.d_model, cfg.latent_bits, bias=False)
 
     def forward(self, x, cos, sin):
-        zeta = self.zeta.to(x.dtype).expand_as(x)
+        zeta = self.zeta.to(x.dtype).view(1, 1, -1)  # the same query input at every position
         h = zeta + self.attn(self.q_norm(zeta), self.kv_norm(x), cos, sin, causal=False)
         h = h + self.mlp(self.mlp_norm(h))
         return self.readout(self.out_norm(h))
@@ -465,17 +466,21 @@ def count_params(model):
 
 def matmul_params(cfg):
     """Parameters that take part in a matmul per token (for FLOP counts): the blocks and the LM
-    head, not the embedding lookup nor the post-sampler lookup. The encoder block adds one
-    block's attention+MLP for the Free Transformer."""
+    head, not the embedding lookup nor the post-sampler lookup. The Free Transformer's encoder
+    block adds a block's attention+MLP less its query projection (ζ is projected once)."""
     d, kv = cfg.d_model, cfg.n_kv_head * (cfg.d_model // cfg.n_head)
     per_block = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_hidden
-    n_blocks = cfg.n_layer + (1 if cfg.arch == "free" else 0)
-    return n_blocks * per_block + d * cfg.vocab_size
+    encoder = per_block - d * d + d * cfg.latent_bits if cfg.arch == "free" else 0
+    return cfg.n_layer * per_block + encoder + d * cfg.vocab_size
 
 
 def flops_per_token(cfg, seq_len):
     """6 * N_matmul for forward+backward, plus attention scores and values with the causal
     mask discounted: 6 * n_layer * d_model * seq_len, half of the 12 * L * D * T that
-    torchtitan and nanoGPT count. The MFU reported here is therefore the conservative one."""
-    n_blocks = cfg.n_layer + (1 if cfg.arch == "free" else 0)
-    return 6 * matmul_params(cfg) + 6 * n_blocks * cfg.d_model * seq_len
+    torchtitan and nanoGPT count. The MFU reported here is therefore the conservative one.
+    The Free Transformer adds its encoder's attention (not causal: 12 * D * T) and the Binary
+    Mapper's backward GEMM (dR @ W^T, 2 * 2^H * D; its forward is a row lookup)."""
+    flops = 6 * matmul_params(cfg) + 6 * cfg.n_layer * cfg.d_model * seq_len
+    if cfg.arch == "free":
+        flops += 12 * cfg.d_model * seq_len + 2 * 2 ** cfg.latent_bits * cfg.d_model
+    return flops
