@@ -8,7 +8,7 @@ TASK := --config configs/synthetic.toml
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep sample test clean
+.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep export sample bench test clean
 
 # Each training target ends with the synthetic-task demonstration (sample.py --demo), which
 # reads the same run directory: RUN given on the command line (not --out-dir in ARGS), else a
@@ -48,6 +48,11 @@ export:
 # Sample from a run: make sample CKPT=runs/free-fsdp-... [SAMPLE_ARGS="--fixed-z --prompt K>"]
 sample:
 	$(PYTHON) sample.py --ckpt $(CKPT) $(SAMPLE_ARGS)
+
+# GPU benchmarks (bench.py's docstring lists the suites): make bench SUITE=multi [BENCH_ARGS="--memory-cap-gib 78"]
+SUITE ?= single
+bench:
+	$(PYTHON) bench.py --suite $(SUITE) $(BENCH_ARGS)
 
 test:
 	$(PYTHON) -m pytest -q tests

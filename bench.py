@@ -223,16 +223,20 @@ def markdown(rows, header):
     return "\n".join(lines)
 
 
-def main():
+def build_arg_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suite", default="single", help="single, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "
                    "(78 = an 80 GB H100's usable memory); 0 = the whole card")
-    p.add_argument("--timeout-s", type=float, default=0, help="kill an entry that runs longer than this "
-                   "(recorded as an error); 0 = no limit")
-    args = p.parse_args()
+    p.add_argument("--timeout-s", type=float, default=0, help="stop an entry that runs longer than this "
+                   "(torchrun and its workers; recorded as an error); 0 = no limit")
+    return p
+
+
+def main():
+    args = build_arg_parser().parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPUs; no CUDA device here")
     os.makedirs(args.out, exist_ok=True)

@@ -30,7 +30,9 @@ def test_settings_table_lists_every_field_with_its_default():
 
 
 def test_every_flag_in_the_readme_exists():
-    parser_flags = {a for action in train_fsdp.build_arg_parser()._actions for a in action.option_strings}
+    import bench
+    parser_flags = {a for p in (train_fsdp.build_arg_parser(), bench.build_arg_parser())
+                    for action in p._actions for a in action.option_strings}
     known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", README))
     assert mentioned - known == set()
@@ -51,3 +53,14 @@ def test_make_training_targets_train_and_demonstrate_in_one_run_directory():
         default = dry_run(target)
         run_dir = re.search(r"--out-dir (runs/\S+)", default[0]).group(1)
         assert run_dir.startswith(f"runs/{target[len('train-'):]}-") and f"--ckpt {run_dir} --demo" in default[1]
+
+
+def test_every_make_target_in_the_readme_exists():
+    """`make NAME` in the README names a target of the Makefile; `make bench SUITE=X` runs bench.py on suite X."""
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", open(os.path.join(ROOT, "Makefile")).read(), re.M))
+    mentioned = set(re.findall(r"(?:^\s*|`)make ([a-z][a-z0-9-]*)", README, re.M))  # in code, not prose
+    assert mentioned and mentioned - targets == set()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "bench", "SUITE=multi", "BENCH_ARGS=--only DDP"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out.endswith("bench.py --suite multi --only DDP")
