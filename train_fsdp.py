@@ -983,7 +983,9 @@ def export_checkpoint(path):
     model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                    for key, md in reader.read_metadata().state_dict_metadata.items()
                    if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta["config"], meta["step"], meta["tokens_seen"],
                                     meta["tokenizer"]), tmp)
