@@ -3,23 +3,98 @@
 Usage: [torchrun --nproc_per_node=N] python tests/dist_driver.py RUNS.json
 RUNS.json maps a run name to a list of train_fsdp.py arguments; each run writes its own
 --out-dir. Starting torch once per process for many runs keeps the test suite fast.
+
+With RECORD_COMMS=1 in the environment, every rank also writes OUT_DIR/comms_rank{r}.json: per
+optimizer step, the gradient reductions it issued (FSDP's reduce-scatters and all-reduces, with
+their dtypes; DDP's bucket all-reduces, counted by a comm hook that reduces exactly as DDP's
+default does). The wrappers only count: the tensors and the collectives are the same.
 """
+import collections
+import functools
 import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
+
+# The collectives FSDP1 reduces gradients with (reduce_scatter_single is torch 2.13's name).
+COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+
+
+class CommRecorder:
+    """Counts collectives per optimizer step: {op: n} and {op: sorted dtypes}, one record per
+    call of train_fsdp.train_step."""
+
+    def __init__(self):
+        self.current = collections.Counter()
+        self.dtypes = collections.defaultdict(set)
+        self.steps = []
+
+    def note(self, op, tensor):
+        self.current[op] += 1
+        if torch.is_tensor(tensor):
+            self.dtypes[op].add(str(tensor.dtype).removeprefix("torch."))
+
+    def install(self):
+        for op in COUNTED:
+            original = getattr(dist, op, None)
+            if original is None:
+                continue
+
+            def counting(*args, _op=op, _original=original, **kwargs):
+                # the input of a reduce-scatter is its second argument; all_reduce's its first
+                tensor = args[1] if _op.startswith("reduce_scatter") and len(args) > 1 else (args[0] if args else None)
+                self.note(_op, kwargs.get("input", tensor))
+                return _original(*args, **kwargs)
+            setattr(dist, op, functools.wraps(original)(counting))
+
+        wrap_model, train_step = train_fsdp.wrap_model, train_fsdp.train_step
+
+        def recording_wrap_model(*args, **kwargs):
+            model = wrap_model(*args, **kwargs)
+            ddp = getattr(model, "_orig_mod", model)
+            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                def hook(state, bucket):
+                    self.note("ddp_bucket_all_reduce", bucket.buffer())
+                    return allreduce_hook(state, bucket)
+                ddp.register_comm_hook(None, hook)
+            return model
+
+        def recording_train_step(*args, **kwargs):
+            self.current.clear()
+            self.dtypes.clear()
+            out = train_step(*args, **kwargs)
+            self.steps.append({"counts": dict(self.current),
+                               "dtypes": {op: sorted(d) for op, d in self.dtypes.items()}})
+            return out
+        train_fsdp.wrap_model, train_fsdp.train_step = recording_wrap_model, recording_train_step
+
+    def dump(self, argv, rank):
+        out_dir = argv[argv.index("--out-dir") + 1]
+        with open(os.path.join(out_dir, f"comms_rank{rank}.json"), "w") as fh:
+            json.dump(self.steps, fh)
+        self.steps = []
+
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as fh:
         runs = json.load(fh)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
+    recorder = None
+    if os.environ.get("RECORD_COMMS") == "1":
+        recorder = CommRecorder()
+        recorder.install()
     for name, argv in runs.items():
         train_fsdp.main(argv)
+        if recorder:
+            recorder.dump(argv, int(os.environ.get("RANK", "0")))
     if dist.is_initialized():
         dist.destroy_process_group()
     train_fsdp.leave(0)  # see leave(): avoids a gloo teardown race at interpreter exit

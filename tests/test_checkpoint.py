@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -77,6 +78,25 @@ def loss_steps(run_dir):
 
 def losses_of(run_dir):
     return [r["loss"] for r in records(run_dir) if "loss" in r]
+
+
+def tokens_seen_of(run_dir):
+    """(step, tokens_seen) of every step record, and the tokens_seen of every checkpoint's meta."""
+    steps = [(r["step"], r["tokens_seen"]) for r in records(run_dir) if "loss" in r]
+    metas = {n: train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), n))["tokens_seen"]
+             for n in train_fsdp.complete_checkpoints(ckpt_root(run_dir))}
+    return steps, metas
+
+
+def assert_same_tokens_seen(run_dir, ref_dir):
+    """Guards issue 13 bug 8: after a resume, tokens_seen (every logged step, and the meta of
+    every checkpoint the two runs both hold) equals the uninterrupted run's."""
+    steps, metas = tokens_seen_of(run_dir)
+    ref_steps, ref_metas = tokens_seen_of(ref_dir)
+    assert steps == ref_steps, (steps, ref_steps)
+    common = set(metas) & set(ref_metas)
+    assert common, (metas, ref_metas)
+    assert {n: metas[n] for n in common} == {n: ref_metas[n] for n in common}
 
 
 def log_text(run_dir):
@@ -384,7 +404,7 @@ def one(tmp_path_factory, ref2):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_resume_same_world_size_is_bit_identical(ref2, res2, name):
-    ref_losses, ref_val, _ = ref2[name]
+    ref_losses, ref_val, ref_dir = ref2[name]
     losses, val, run_dir = res2[name]
     assert resumed_step(run_dir) == 6
     assert "RNG streams re-seeded" not in log_text(run_dir)
@@ -401,6 +421,8 @@ def test_resume_same_world_size_is_bit_identical(ref2, res2, name):
     ref_meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(ref2[name][2]), "step_0000010"))
     assert meta["scaler"] == ref_meta["scaler"]
     assert (meta["scaler"] is not None) == (name == "fp16")
+    assert_same_tokens_seen(run_dir, ref_dir)
+    assert meta["tokens_seen"] == ref_meta["tokens_seen"] == 10 * 8 * 66  # TINY: 8 rows of 66 tokens a step
 
 
 def test_free_transformer_resume_restores_the_sampling_rng(ref2, res2):
@@ -427,6 +449,7 @@ def test_resume_on_one_process(ref2, one):
         assert "saved by 2 processes; RNG streams re-seeded" in log_text(run_dir)
         assert loss_steps(run_dir) == list(range(1, 11))
         assert_same(losses, ref, rel=1e-5)
+        assert_same_tokens_seen(run_dir, ref2["FULL_SHARD"][2])
 
 
 def test_full_checkpoint_resumes_on_one_process(ref2, one):
@@ -442,6 +465,7 @@ def test_resume_on_four_processes(ref2, four):
     assert "saved by 2 processes; RNG streams re-seeded" in log_text(run_dir)
     assert loss_steps(run_dir) == list(range(1, 11))
     assert_same(losses, ref, rel=1e-5)
+    assert_same_tokens_seen(run_dir, ref2["FULL_SHARD"][2])
 
 
 def test_resume_with_another_sharding_strategy(ref2, res2):
@@ -457,6 +481,7 @@ def test_four_process_checkpoint_resumes_on_two(ref2, four, res2):
     assert meta["world_size"] == 4
     assert resumed_step(run_dir) == 6 and "saved by 4 processes" in log_text(run_dir)
     assert_same(losses, ref2["FULL_SHARD"][0], rel=1e-5)
+    assert_same_tokens_seen(run_dir, ref2["FULL_SHARD"][2])
 
 
 def test_four_process_checkpoint_resumes_on_three(four, three):
@@ -523,14 +548,15 @@ def test_kill_9_during_save_then_resume(tmp_path, ref2, one):
         done = {name: f.result() for name, f in futures.items()}
     for name, nproc, _ in scenarios:
         run_dir, before = done[name]
-        ref = (one if nproc == 1 else ref2)["kill"][0]
+        ref = (one if nproc == 1 else ref2)["kill"]
         assert resumed_step(run_dir) >= 3, (name, before)
         assert not leftovers(run_dir), (name, os.listdir(ckpt_root(run_dir)))
         assert latest_name(run_dir) == "step_0000012"
         train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000012"))
         assert len(train_fsdp.complete_checkpoints(ckpt_root(run_dir))) == 3, os.listdir(ckpt_root(run_dir))
         assert loss_steps(run_dir) == list(range(1, 13)), name
-        assert losses_of(run_dir) == ref, name  # bit-identical to the uninterrupted run
+        assert losses_of(run_dir) == ref[0], name  # bit-identical to the uninterrupted run
+        assert_same_tokens_seen(run_dir, ref[2])
 
 
 # =============================================================================================
@@ -567,16 +593,17 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     assert not os.path.exists(os.path.join(run_dir, train_fsdp.STOPPED_FILE))
     assert resumed_step(run_dir) == step
     assert loss_steps(run_dir) == list(range(1, 21))
-    assert losses_of(run_dir) == ref  # bit-identical to the uninterrupted run
+    assert losses_of(run_dir) == ref[0]  # bit-identical to the uninterrupted run
     assert latest_name(run_dir) == "step_0000020"
+    assert_same_tokens_seen(run_dir, ref[2])
 
 
 def test_sigusr1_to_one_of_two_ranks_saves_and_exits_3(tmp_path, ref2):
-    _stop_with_signal(tmp_path, 2, signal.SIGUSR1, ref2["signal"][0])
+    _stop_with_signal(tmp_path, 2, signal.SIGUSR1, ref2["signal"])
 
 
 def test_sigterm_single_process_saves_and_exits_3(tmp_path, one):
-    _stop_with_signal(tmp_path, 1, signal.SIGTERM, one["signal"][0])
+    _stop_with_signal(tmp_path, 1, signal.SIGTERM, one["signal"])
 
 
 # =============================================================================================
@@ -611,6 +638,72 @@ def test_check_checkpoint_rejects_truncation_and_garbage(ref2, tmp_path):
         damage(str(bad))
         with pytest.raises(train_fsdp.RunFailed, match="incomplete or corrupted"):
             train_fsdp.check_checkpoint(str(bad))
+
+
+def test_latest_is_written_after_the_checkpoint_is_in_place(tmp_path, monkeypatch):
+    """Guards issue 13 bug 3, `latest` written before the step directory is renamed into place
+    (sample.py and --resume follow `latest` without a fallback): at the moment `latest` is
+    replaced, the directory it names is at its final path and complete (meta.json, every file
+    of its size), its .tmp- directory is gone; `latest` itself is replaced atomically. Also for
+    a step saved again (the swap with the older copy of the same step)."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    real_replace, published = os.replace, []
+
+    def replace(src, dst):
+        if os.path.basename(str(dst)) == "latest":
+            with open(src) as fh:
+                name = fh.read().strip()
+            try:
+                meta = train_fsdp.check_checkpoint(os.path.join(str(root), name))
+                state = (name, meta["step"], f".tmp-{name}" in os.listdir(root))
+            except train_fsdp.RunFailed as e:
+                state = (name, str(e), None)
+            published.append(state)
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    cfg = train_fsdp.Config()
+    cfg.checkpoint.keep_checkpoints = 2
+    data = types.SimpleNamespace(tokenizer_path=None)
+    for i, step in enumerate([1, 2, 2, 3]):
+        name = f"step_{step:07d}"
+        tmp = root / f".tmp-{name}"
+        tmp.mkdir()
+        (tmp / "rng_rank0.pt").write_bytes(b"x" * (10 + i))
+        train_fsdp.publish_checkpoint(str(tmp), str(root / name), str(root), name, step, 528 * step, cfg, data,
+                                      None, 1)
+        assert published[i:] == [(name, step, False)], published
+        assert latest_name(tmp_path) == name and not tmp.exists()
+        assert train_fsdp.check_checkpoint(str(root / name))["files"] == {"rng_rank0.pt": 10 + i}
+    assert sorted(os.listdir(root)) == ["latest", "step_0000002", "step_0000003"]
+
+
+def optimizer_groups(step_dir, tmp_path):
+    """(parameter name -> number of dimensions, the optimizer's param groups by parameter name)
+    of a saved checkpoint, full or sharded."""
+    model_pt = os.path.join(step_dir, "model.pt")
+    state = torch.load(model_pt, weights_only=True) if os.path.exists(model_pt) else {}
+    if "optim" not in state:
+        state = dcp_state(os.path.join(step_dir, "dcp"), tmp_path)
+    return {k: v.dim() for k, v in state["model"].items()}, state["optim"]["param_groups"]
+
+
+@pytest.mark.parametrize("name", ["full", "FULL_SHARD", "ddp", "free", "none"])
+def test_weight_decay_only_on_matrices(ref2, one, tmp_path, name):
+    """Guards issue 13 bug 2, weight decay applied to every parameter: in the optimizer state a
+    run saved (FSDP full and sharded, DDP, one process; the Free Transformer adds a 1-D ζ),
+    the >= 2-D weights are decayed by --weight-decay (0.1) and the 1-D ones (norm weights,
+    biases, ζ) not at all; every parameter is in exactly one group."""
+    run_dir = one["from2_none"][2] if name == "none" else ref2[name][2]
+    dims, groups = optimizer_groups(os.path.join(ckpt_root(run_dir), "step_0000010"), tmp_path)
+    grouped = [p for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted(dims)
+    decay = {p: g["weight_decay"] for g in groups for p in g["params"]}
+    wrong = {p: (dims[p], decay[p]) for p in dims if decay[p] != (0.1 if dims[p] >= 2 else 0.0)}
+    assert not wrong, f"(dims, weight decay) of the parameters decayed wrongly: {wrong}"
+    assert 1 in dims.values() and 2 in dims.values()
+    if name == "free":
+        assert [dims[p] for p in dims if p.endswith(".zeta")] == [1], dims
 
 
 # =============================================================================================

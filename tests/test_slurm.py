@@ -376,11 +376,12 @@ def test_processes_per_node_come_from_the_allocation(slurm_vars, procs, tmp_path
                                   f"processes (2 nodes x {procs}); use a multiple of {3 * world}"), res.stderr
 
 
-def requeue_decision(tmp_path, clean):
+def requeue_decision(tmp_path, clean, signal=True, code=1):
     """Runs the script with stub srun / scancel / scontrol (no cluster): the stub srun sends
     USR1 to the batch shell, waits until the shell has asked for the stop (scancel), writes the
-    trainer's stopped.json if `clean`, and exits 1 as torchrun does. Returns (exit code, output,
-    whether the job was requeued)."""
+    trainer's stopped.json if `clean`, and exits 1 as torchrun does. Without `signal` the stub
+    srun only exits with `code` (a run that fails, or finishes, on its own). Returns (exit code,
+    output, whether the job was requeued)."""
     stubs, run_dir = tmp_path / "stubs", tmp_path / "run"
     stubs.mkdir(exist_ok=True)
     run_dir.mkdir(exist_ok=True)
@@ -391,8 +392,9 @@ def requeue_decision(tmp_path, clean):
         "scancel": f"#!/bin/sh\ntouch {stubs}/scancelled\n",
         "scontrol": f"#!/bin/sh\n[ \"$1\" = requeue ] && touch {stubs}/requeued\n"
                     "[ \"$1\" = show ] && echo 'JobId=7 JobState=RUNNING'\nexit 0\n",
-        "srun": f"#!/bin/sh\nkill -USR1 $PPID\nwhile [ ! -e {stubs}/scancelled ]; do sleep 0.05; done\n"
-                + (f"echo '{{\"step\": 5}}' > {run_dir}/stopped.json\n" if clean else "") + "exit 1\n",
+        "srun": (f"#!/bin/sh\nkill -USR1 $PPID\nwhile [ ! -e {stubs}/scancelled ]; do sleep 0.05; done\n"
+                 if signal else "#!/bin/sh\n")
+                + (f"echo '{{\"step\": 5}}' > {run_dir}/stopped.json\n" if clean else "") + f"exit {code}\n",
     }
     for name, text in scripts.items():
         (stubs / name).write_text(text)
@@ -419,6 +421,19 @@ def test_a_failure_after_the_signal_is_requeued_once(tmp_path):
     assert not (tmp_path / "run" / "requeued_after_failure").exists()
     code, out, requeued = requeue_decision(tmp_path, clean=False)  # the mark was cleared: once more
     assert (code, requeued) == (0, True), out
+
+
+@pytest.mark.parametrize("code", [1, 2, 0])
+def test_a_run_that_ends_without_a_signal_is_not_requeued(tmp_path, code):
+    """Guards issue 13 bug 6, requeueing after any failure: with no signal, a failed run (exit
+    1 from torchrun, 2 for bad input) ends the job with its own exit code and is not requeued
+    (a requeue would rerun a failing job forever); nor is a finished one (0). No requeue mark
+    is left behind, and scancel is never called."""
+    code_out, out, requeued = requeue_decision(tmp_path, clean=False, signal=False, code=code)
+    assert (code_out, requeued) == (code, False), out
+    assert f"srun exited with code {code}" in out and "requeueing" not in out, out
+    assert not (tmp_path / "run" / "requeued_after_failure").exists()
+    assert not (tmp_path / "stubs" / "scancelled").exists()
 
 
 def test_environment_hooks_venv_conda_and_modules(tmp_path):

@@ -5,10 +5,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import data as data_lib  # noqa: E402
+import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_distributed import assert_same, launch  # noqa: E402
 
@@ -59,11 +62,25 @@ def test_epochs_set_the_number_of_steps(runs):
 
 
 def test_profile_writes_chrome_traces(runs):
+    """Each rank's trace covers exactly the promised steps 2-4 (schedule wait 1, warmup 1,
+    active 3) and holds what a trace is read for: the model's matmuls, FSDP's forward and
+    post-backward hooks, one gradient reduce-scatter per FSDP unit and step, and one optimizer
+    step per profiled step, each inside its step's window."""
     for rank in (0, 1):
         path = os.path.join(runs["profiled"][2], f"trace_rank{rank}.json")
         with open(path) as fh:
-            trace = json.load(fh)
-        assert trace["traceEvents"], path
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+        steps = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")}
+        assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"], path
+        names = [e["name"] for e in events]
+        for op in ("aten::mm", "FullyShardedDataParallel.forward", "FullyShardedDataParallel._post_backward_hook"):
+            assert op in names, (path, op)
+        # TINY: 2 blocks + the root = 3 FSDP units
+        assert sum("reduce_scatter" in n and n.startswith("c10d::") for n in names) == 3 * 3, path
+        opt_steps = [e for e in events if e["name"].startswith("Optimizer.step#AdamW")]
+        assert len(opt_steps) == 3, path
+        for e in opt_steps:
+            assert sum(lo <= e["ts"] <= hi for lo, hi in steps.values()) == 1, (path, e["ts"], steps)
 
 
 @pytest.mark.parametrize("suite", ["single", "multi", "knobs", "tune", "free", "text", "capacity", "sweep", "8b",
@@ -85,8 +102,25 @@ def test_bench_suites_are_valid_trainer_commands(suite):
             assert cfg.model.arch == ("free" if " free" in name else "baseline")
 
 
+def reference_grad_norm(run_dir):
+    """The global gradient norm of step 1 computed here, without FSDP: the run's initial model
+    (same seed and config) on step 1's whole global batch, mean loss, one backward."""
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    torch.manual_seed(cfg["train"]["seed"])
+    model = model_lib.build_model(model_lib.ModelConfig(**cfg["model"]))
+    ds = data_lib.load_data(data_lib.DataConfig(**cfg["data"]), cfg["train"]["seed"])
+    gb = cfg["train"]["global_batch"]
+    x, y = ds.train_batch(0, gb, 0, gb)
+    logits, _ = model(x)
+    model_lib.lm_loss(logits, y)[0].backward()
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+
 def test_log_records_and_start_up_summary(runs):
-    """Every log record carries the token count, throughput and memory fields, and rank 0's summary names world, backend, dtypes, parameter counts and the batch layout."""
+    """Every log record carries the token count, throughput and memory fields, and rank 0's summary names world, backend, dtypes, parameter counts and the batch layout.
+    The logged grad_norm is the global norm before clipping: step 1's equals the norm computed
+    here on one plain model (sharded or per-rank norms would be smaller, clipped ones 1.0)."""
     tokens_per_step = 8 * 66  # TINY: global batch 8, synthetic rows of 66 tokens
     recs = records(runs["plain"][2])
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
@@ -94,6 +128,9 @@ def test_log_records_and_start_up_summary(runs):
         assert r["tokens_seen"] == r["step"] * tokens_per_step
         assert r["tokens_per_s"] > 0 and 0 < r["step_time_s"] < 60
         assert 0 <= r["data_fraction"] < 1 and r["mem_peak_gib"] > 0 and r["lr"] > 0 and r["grad_norm"] > 0
+    ref = reference_grad_norm(runs["plain"][2])
+    assert abs(recs[0]["grad_norm"] - ref) <= 1e-5 * ref, (recs[0]["grad_norm"], ref)
+    assert ref > 1.0  # above the clipping threshold: a clipped norm could not pass for it
     with open(os.path.join(runs["plain"][2], "training_log.txt")) as fh:
         log = fh.read()
     for line in ("world 2 | backend gloo | device cpu", "strategy fsdp FULL_SHARD wrap=module",
