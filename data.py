@@ -6,11 +6,14 @@ reads: it memory-maps those files and serves batches addressed by (step, slice o
 order is a pure function of the seed and resume/any world size see exactly the same samples.
 """
 
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import shutil
+import socket
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
@@ -239,6 +242,12 @@ def resolve_inputs(cfg: DataConfig):
     model = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
     if model and not model.is_file():
         raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model or leave it empty")
+    if model:
+        try:
+            spm.SentencePieceProcessor(model_file=str(model))
+        except (RuntimeError, OSError):  # sentencepiece's own message names neither the flag nor a remedy
+            raise DataError(f"--tokenizer {cfg.tokenizer}: not a SentencePiece model; give a .model file written "
+                            "by SentencePiece, or leave it empty to train one on the corpus") from None
     inputs = {"train": [fingerprint(p) for p in train], "val": [fingerprint(p) for p in val],
               "tokenizer": fingerprint(model) if model else None}
     return train, val, model, inputs
@@ -249,7 +258,7 @@ def absolute(path: str) -> str:
 
 
 def cache_dir_for(cfg: DataConfig) -> Path:
-    # Keyed on the settings, not on file contents, so an edited corpus rebuilds in place (the manifest
+    # Keyed on the settings, not on file contents, so an edited corpus replaces its cache (the manifest
     # catches the change) instead of leaving an orphaned cache behind.
     key = {"format": FORMAT_VERSION, "dataset": absolute(cfg.dataset), "val_path": absolute(cfg.val_path),
            "val_fraction": None if cfg.val_path else cfg.val_fraction,
@@ -364,42 +373,117 @@ def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
     os.truncate(src, (n_total - n_tail) * np.dtype(dtype).itemsize)
 
 
+def check_lengths(cfg: DataConfig, manifest: dict, val_given: bool) -> None:
+    """Both splits must hold at least one row of --seq-len + 1 tokens."""
+    seq_len = cfg.seq_len or TEXT_SEQ_LEN
+    more_val = "a larger --val-path corpus" if val_given else "a larger --val-fraction"
+    splits = {"training": (manifest["train_tokens"], "a larger corpus"), "validation": (manifest["val_tokens"], more_val)}
+    for name, (n, remedy) in splits.items():
+        if n < seq_len + 1:
+            raise DataError(f"{name} split has {n} tokens, fewer than --seq-len {seq_len} + 1; "
+                            f"use a smaller --seq-len or {remedy}")
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """The directories that path.mkdir(parents=True) would create, innermost first."""
+    missing, p = [], path.absolute()
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
+def remove_dead_builds(root: Path, prefix: str) -> None:
+    """Temporary build directories of this host whose process no longer runs (killed with SIGKILL)."""
+    for d in root.glob(prefix + "*"):
+        try:
+            pid = int(d.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished build over the cache directory (a stale cache of the same settings, or
+    one that a concurrent build has just published, is moved aside and deleted)."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, out)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        aside = out.with_name(f".old-{out.name}-{socket.gethostname()}-{os.getpid()}")
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, out)
+
+
 def prepare_data(cfg: DataConfig) -> None:
-    """Build the token cache for cfg (rank 0 only). A no-op for synthetic data and for an up-to-date cache."""
+    """Build the token cache for cfg (rank 0 only). A no-op for synthetic data and for an up-to-date cache.
+
+    Bad input writes nothing. What can be checked without tokenising (paths, an empty corpus,
+    the tokenizer file) is checked before anything is created; what needs a pass over the corpus
+    (every .jsonl line, the token counts against --seq-len) is found while building into a
+    private temporary directory, which is deleted on any failure (with the cache directory
+    itself when this call created it) and renamed into place only when complete."""
     check_config(cfg)
     if cfg.dataset in ("synthetic", "random"):
         return
     train_paths, val_paths, model, inputs = resolve_inputs(cfg)
     out = cache_dir_for(cfg)
     hashes = content_hashes(train_paths + val_paths + ([model] if model else []))
-    if valid_manifest(out, inputs, hashes):
+    if manifest := valid_manifest(out, inputs, hashes):
+        check_lengths(cfg, manifest, bool(val_paths))
         return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)  # the cache reads as invalid until it is fully rebuilt
     for flag, value, paths in (("--dataset", cfg.dataset, train_paths), ("--val-path", cfg.val_path, val_paths)):
         if paths and not has_text(paths):
             raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with text in them")
-    model = model or train_tokenizer(cfg, train_paths, out)
+    created = missing_dirs(out.parent)
+    prefix = f".tmp-{out.name}-{socket.gethostname()}-"
+    tmp = out.with_name(f"{prefix}{os.getpid()}")
+    try:
+        remove_dead_builds(out.parent, prefix)
+        tmp.mkdir(parents=True)
+        manifest = build_cache(cfg, train_paths, val_paths, model, inputs, hashes, tmp, out)
+        check_lengths(cfg, manifest, bool(val_paths))
+        publish(tmp, out)
+    except BaseException:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty: something else is using it now
+                break
+        raise
+
+
+def build_cache(cfg, train_paths, val_paths, model, inputs, hashes, tmp: Path, out: Path) -> dict:
+    """Tokenizer (trained unless given), train.bin, val.bin and manifest.json, written into tmp
+    for the final directory `out`. Returns the manifest."""
+    model = model or train_tokenizer(cfg, train_paths, tmp)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     dtype = np.uint16 if sp.vocab_size() < 2**16 else np.uint32
     print(f"data: tokenizing {len(train_paths) + len(val_paths)} files into {out}")
-    train_tmp, val_tmp = out / "train.bin.tmp", out / "val.bin.tmp"
-    n_train = write_tokens(sp, train_paths, train_tmp, dtype)
+    n_train = write_tokens(sp, train_paths, tmp / "train.bin", dtype)
     if val_paths:
-        n_val = write_tokens(sp, val_paths, val_tmp, dtype)
+        n_val = write_tokens(sp, val_paths, tmp / "val.bin", dtype)
     else:
         n_val = min(n_train, max(1, math.ceil(n_train * cfg.val_fraction)))
-        split_tail(train_tmp, val_tmp, dtype, n_train, n_val)
+        split_tail(tmp / "train.bin", tmp / "val.bin", dtype, n_train, n_val)
         n_train -= n_val
-    # Renamed into place only when complete, and the manifest last, so a killed run never looks valid.
-    os.replace(train_tmp, out / "train.bin")
-    os.replace(val_tmp, out / "val.bin")
     settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
+    tokenizer_path = model if cfg.tokenizer else out / model.name  # where the trained one will be after the rename
     manifest = {"format": FORMAT_VERSION, "inputs": inputs, "sha256": hashes, "tokenizer": settings,
-                "tokenizer_path": str(model), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
+                "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
                 "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction}
-    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
-    os.replace(out / "manifest.json.tmp", out / "manifest.json")
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
 
 
 RANDOM_ROWS = (4096, 64)  # training and validation rows of --dataset random
@@ -430,13 +514,8 @@ def load_data(cfg: DataConfig, seed: int) -> Dataset:
     if manifest is None:
         raise DataError(f"--dataset {cfg.dataset}: no valid token cache in {out} (missing, or the corpus or "
                         "tokenizer changed); run prepare_data first")
+    check_lengths(cfg, manifest, bool(val_paths))
     seq_len = cfg.seq_len or TEXT_SEQ_LEN
-    more_val = "a larger --val-path corpus" if val_paths else "a larger --val-fraction"
-    splits = {"training": (manifest["train_tokens"], "a larger corpus"), "validation": (manifest["val_tokens"], more_val)}
-    for name, (n, remedy) in splits.items():
-        if n < seq_len + 1:
-            raise DataError(f"{name} split has {n} tokens, fewer than --seq-len {seq_len} + 1; "
-                            f"use a smaller --seq-len or {remedy}")
     train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
     sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
     return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, sp, manifest["tokenizer_path"])
