@@ -308,10 +308,20 @@ def check_ranges(cfg):
              ("ffn_hidden", m.ffn_hidden >= 0, ">= 0"), ("vocab_size", m.vocab_size >= 0, ">= 0"),
              ("dropout", 0 <= m.dropout < 1, "in [0, 1)"), ("init_std", m.init_std > 0, "> 0"),
              ("kappa", m.kappa >= 0, ">= 0"), ("mapper_chunk", m.mapper_chunk >= 1, ">= 1"),
-             ("rope_theta", m.rope_theta > 0, "> 0"), ("norm_eps", m.norm_eps > 0, "> 0")]
+             ("rope_theta", m.rope_theta > 0, "> 0"), ("norm_eps", m.norm_eps > 0, "> 0"),
+             ("val_fraction", 0 < cfg.data.val_fraction <= 0.5, "in (0, 0.5]")]
+    # inf passes a check like "> 0" and nan none: every float setting must be finite (an
+    # infinite learning rate, epoch count or clip norm has no meaning; 0 turns clipping off).
+    valid_of = {name: valid for name, _, valid in rules}
+    for sec in sections(cfg).values():
+        for fld in dataclasses.fields(sec):
+            value = getattr(sec, fld.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadInput(f"{flag_name(fld.name)} {value}: must be a finite number" +
+                               (f" {valid_of[fld.name]}" if fld.name in valid_of else ""))
     for name, ok, valid in rules:
         if not ok:
-            value = next(getattr(sec, name) for sec in (m, t, f, c) if hasattr(sec, name))
+            value = next(getattr(sec, name) for sec in (m, t, f, c, cfg.data) if hasattr(sec, name))
             raise BadInput(f"{flag_name(name)} {value}: must be {valid}")
 
 
@@ -971,8 +981,23 @@ def init_weights_from(path, model):
         set_model_state_dict(model, state["model"])
 
 
+def require_checkpoint_dir(path, flag, valid):
+    """BadInput unless `path` is a checkpoint directory (one with meta.json): a path given by
+    the user that is not one is a mistake in the input, not a corrupted checkpoint."""
+    if not os.path.exists(path):
+        raise BadInput(f"{flag} {path}: no such directory; valid: {valid}")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        found = complete_checkpoints(os.path.join(path, "checkpoints"))
+        example = os.path.join(path, "checkpoints", found[0] if found else "step_N")
+        raise BadInput(f"{flag} {path} is a run directory, not a checkpoint directory (no meta.json); give one "
+                       f"of its checkpoints, e.g. {example}")
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
+
+
 def export_checkpoint(path):
     """Sharded checkpoint -> the single-file model.pt beside it, in one process (no FSDP)."""
+    require_checkpoint_dir(path, "--export", "a checkpoint directory such as RUN/checkpoints/step_N")
     meta = check_checkpoint(path)
     if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
         print(f"{path} already holds a consolidated model.pt")
@@ -1081,9 +1106,13 @@ def prepare_run_dir(cfg, rank):
 
     def decide():
         config_path, notes, resume, meta, old = os.path.join(run_dir, "config.json"), [], None, None, None
-        holds_run = os.path.exists(config_path)
+        root = os.path.join(run_dir, "checkpoints")
+        # Checkpoints without a config.json (deleted by hand, say) are a run all the same.
+        holds_run = (os.path.exists(config_path) or bool(complete_checkpoints(root))
+                     or os.path.exists(os.path.join(root, "latest")))
         if c.resume not in ("auto", "never"):
             resume = c.resume.rstrip("/")
+            require_checkpoint_dir(resume, "--resume", "auto, never or a checkpoint directory")
             meta = check_checkpoint(resume)
             old = meta["config"]
         elif holds_run and cfg.train.overwrite:
@@ -1094,9 +1123,17 @@ def prepare_run_dir(cfg, rank):
                            "--overwrite to start afresh")
         elif holds_run:
             resume, meta = find_resume_checkpoint(run_dir, notes)
+            if resume is None and notes:  # checkpoints there, none complete: training would replace them
+                newest = notes[0].removesuffix("; trying an older checkpoint")
+                raise BadInput(f"--out-dir {run_dir} holds a run but none of its checkpoints is complete (newest: "
+                               f"{newest}); not training over it: start from other weights with --init-from, or "
+                               "afresh with --overwrite (which deletes its checkpoints)")
             try:
-                with open(config_path) as fh:
-                    old = meta["config"] if resume else json.load(fh)
+                if resume:
+                    old = meta["config"]
+                else:
+                    with open(config_path) as fh:
+                        old = json.load(fh)
             except ValueError:
                 raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
                                "another directory or pass --overwrite")
@@ -1147,6 +1184,11 @@ class Preempted(Exception):
     """SIGTERM/SIGUSR1 arrived: the checkpoint is saved, exit with EXIT_PREEMPTED."""
 
 
+# A stop reason beside the signal numbers: this worker's launcher (torchrun) has exited. Larger
+# than any signal number, so the MAX all-reduce of the reasons names it when it is one of them.
+LAUNCHER_GONE = 1000
+
+
 def install_stop_handlers():
     """SIGTERM and SIGUSR1 (Slurm sends them before preemption or the time limit) only set a
     flag; every rank then finishes its step, saves and exits together."""
@@ -1156,6 +1198,40 @@ def install_stop_handlers():
         flag["signal"] = signum
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     return flag, previous
+
+
+def launcher_pid():
+    """The pid of the torchrun that started this worker, or None when torchrun did not. torchrun
+    starts its workers in sessions of their own, so a torchrun killed by a signal it does not
+    forward (SIGUSR1, SIGKILL) leaves them training alone, unseen by the next launch that shares
+    their run directory. A worker whose parent is no longer this pid stops like on SIGTERM.
+    Not without torchrun: a `nohup python train_fsdp.py` outlives its shell on purpose."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def stop_reason(code):
+    if code == LAUNCHER_GONE:
+        return "launcher gone (torchrun exited and left its workers running)"
+    return f"signal {signal.Signals(code).name}"
+
+
+def write_stopped(run_dir, step, dist_info):
+    """Rank 0 writes stopped.json (for launchers that cannot see our exit code: torchrun turns 3
+    into 1), then every rank waits for every other. With that, no process exits before every
+    rank's save and the file are on disk: save_checkpoint returns on a rank only after all ranks
+    have written their files and rank 0 has published the checkpoint (its last step is a
+    collective), and this is the next collective. Under `srun --kill-on-bad-exit`, the first
+    node whose torchrun exits has Slurm kill the others: by then nothing is left to write."""
+    error = None
+    if dist_info["rank"] == 0:
+        try:
+            write_text_atomic(os.path.join(run_dir, STOPPED_FILE), json.dumps({"step": step}) + "\n")
+        except OSError as e:
+            error = f"{e.strerror}: {e.filename}"
+    error = any_rank_error(error, dist_info)
+    if error:
+        raise RunFailed(f"the checkpoint of step {step} is saved, but {STOPPED_FILE} could not be written "
+                        f"({error}): a launcher will take this stop for a failure")
 
 
 def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dataset=load_dataset):
@@ -1264,6 +1340,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         profiler.start()
 
     stop_flag, previous_handlers = install_stop_handlers()
+    launcher = launcher_pid()
     # The first step whose loss is not finite, tracked on the device without a sync per step
     # and checked (a collective) at log steps and before every save.
     never = 2 ** 62
@@ -1313,6 +1390,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             bar.update(1)
             if profiler:
                 profiler.step()
+            if launcher is not None and os.getppid() != launcher:
+                stop_flag["signal"] = LAUNCHER_GONE
             stop = torch.tensor([stop_flag["signal"]])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=dist_info["control"])
             last = step == max_steps - 1
@@ -1355,9 +1434,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
                 window_start += time.perf_counter() - t0  # and saving
             if stop.item() and not last:
-                if rank == 0:  # for launchers that cannot see our exit code (torchrun turns 3 into 1)
-                    write_text_atomic(os.path.join(run_dir, STOPPED_FILE), json.dumps({"step": step + 1}) + "\n")
-                raise Preempted(f"signal {signal.Signals(stop.item()).name} at step {step + 1}: checkpoint saved, "
+                write_stopped(run_dir, step + 1, dist_info)
+                raise Preempted(f"{stop_reason(stop.item())} at step {step + 1}: checkpoint saved, "
                                 f"exiting with code {EXIT_PREEMPTED}; run the same command with --out-dir "
                                 f"{run_dir} to resume")
     finally:
