@@ -113,8 +113,37 @@ def summarize(run_dirs):
     return "\n".join(rows)
 
 
+def fail(message):
+    """Bad input, as the trainer reports it: one `error:` line naming it, exit code 2, nothing written."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints the whole usage first
+        fail(f"{message} (python sample.py --help lists the flags)")
+
+
+def check_args(args):
+    """Numbers outside their range and an unknown device, before anything is loaded or written."""
+    rules = [("--num-samples", args.num_samples, args.num_samples >= 1, ">= 1"),
+             ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
+             ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
+              "a finite number >= 0 (0 = greedy)"),
+             ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = all tokens)")]
+    for flag, value, ok, valid in rules:
+        if not ok:
+            fail(f"{flag} {value}: must be {valid}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        fail(f"--device {args.device}: not a device; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(f"--device {args.device}: no CUDA device here; use --device cpu")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="run directory (its latest checkpoint) or a model.pt")
     p.add_argument("--summarize", nargs="+", metavar="RUN", help="print a table of runs that ran --demo")
     p.add_argument("--prompt", default="", help="text to continue; default: a newline (synthetic: '\\nK>')")
@@ -129,18 +158,22 @@ def main(argv=None):
     p.add_argument("--demo", action="store_true", help="synthetic task: fixed-Z vs fresh-Z block statistics")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    check_args(args)
     if args.summarize:
         print(summarize(args.summarize))
         return None
     if not args.ckpt:
-        p.error("--ckpt is required")
+        fail("--ckpt is required: a run directory, a checkpoint directory or a model.pt")
     device = torch.device(args.device)
     try:
         model, ckpt = load_model(args.ckpt, device)
         sp = data_lib.load_tokenizer(ckpt["tokenizer"])
     except (FileNotFoundError, data_lib.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
+    try:
+        data_lib.encode(sp, args.prompt)  # the synthetic vocabulary has 30 characters
+    except data_lib.DataError as e:
+        fail(f"--prompt {args.prompt!r}: {e}")
     # demo files go to the run directory when the checkpoint sits in one, else beside the file
     ckpt_file = os.path.abspath(find_checkpoint(args.ckpt))
     step_dir = os.path.dirname(ckpt_file)
