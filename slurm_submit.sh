@@ -42,7 +42,9 @@
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 # (--open-mode=append: a requeued run adds to the same output files. B: sends USR1 to this shell
-# only; a USR1 reaching torchrun directly would kill it on older torch, which only handles TERM.)
+# only. Send stop signals to this shell, as above: a USR1 that reaches torchrun directly is
+# forwarded to the workers only by torch versions that have torchrun --signals-to-handle (set
+# below); older ones die of it, and Slurm then ends the step with its workers, unsaved.)
 set -euo pipefail
 
 fail() {  # bad input: one clear line on stderr, exit 2, before anything starts
@@ -120,12 +122,18 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # After SIGTERM torchrun waits this long for its workers (to finish the step and save) before
 # SIGKILL. Newer torch reads it (torchrun --shutdown-timeout); older torch waits 30 s.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-110}
+# torchrun forwards these to its workers (its default lacks USR1, which would kill it); torch
+# versions without --signals-to-handle ignore the variable.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
 # --- stop on USR1 (time limit, preemption) or TERM: ask the trainer to save, then requeue -----
 # The TERM goes to the job's steps, not to srun: srun answers a TERM by killing its tasks, while
 # `scancel --signal=TERM JOBID` (without --batch) signals every process of the training step and
 # not this shell. torchrun forwards it to its workers as well and waits for them; each worker
-# finishes its step, saves a checkpoint and exits with code 3.
+# finishes its step, saves a checkpoint and exits with code 3. On several nodes no worker exits
+# before every rank's save is complete (the trainer ends its stop with a collective after the
+# save and stopped.json), so srun --kill-on-bad-exit, which ends the other nodes' tasks when the
+# first torchrun exits, finds nothing left to write.
 STOP_SIGNAL=""
 request_stop() {
     [[ -n "${STOP_SIGNAL}" ]] && return 0   # already stopping
@@ -162,6 +170,10 @@ finish() {
         rm -f "${marker}"
     fi
     if [[ -n "${STOP_SIGNAL}" && ${code} -ne 0 ]] || (( code == 3 )); then
+        if [[ -f "${RUN_DIR}/stopped.json" ]]; then
+            echo "$(date '+%F %T') the trainer saved and stopped cleanly (${RUN_DIR}/stopped.json); torchrun's" \
+                 "SignalException tracebacks above are its usual report of the signal, not an error" >&2
+        fi
         state=$(scontrol show job "${SLURM_JOB_ID}" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
         if [[ "${state}" != "JobState=RUNNING" ]]; then
             echo "$(date '+%F %T') stopped (signal ${STOP_SIGNAL:-none}, exit code ${code}, ${state}): not requeueing;" \
