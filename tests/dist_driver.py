@@ -6,8 +6,8 @@ RUNS.json maps a run name to a list of train_fsdp.py arguments; each run writes 
 
 With RECORD_COMMS=1 in the environment, every rank also writes OUT_DIR/comms_rank{r}.json: per
 optimizer step, the gradient reductions it issued (FSDP's reduce-scatters and all-reduces, with
-their dtypes; DDP's bucket all-reduces, counted by a comm hook that reduces exactly as DDP's
-default does). The wrappers only count: the tensors and the collectives are the same.
+their dtypes; DDP's bucket all-reduces, counted by a comm hook that runs torch's averaging
+allreduce_hook). The FSDP wrappers only count: the tensors and the collectives are the same.
 """
 import collections
 import functools
