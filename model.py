@@ -40,6 +40,15 @@ class ModelConfig:
     latent_bits: int = field(default=16, metadata={"help": "H: bits of the Free Transformer's latent (2^H codes)"})
     kappa: float = field(default=math.log(2) / 2, metadata={"help": "free bits per token, in nats (log(2)/2 = half a bit)"})
     mapper_chunk: int = field(default=4096, metadata={"help": "tokens per chunk in the Binary Mapper's backward"})
+    latent_init: str = field(default="bits", metadata={
+        "help": "post-sampler table init: bits (each row a linear map of its code's +-1 bits) or random (iid rows)",
+        "choices": ["bits", "random"]})
+    latent_inject: str = field(default="post_norm", metadata={
+        "help": "where R joins the key/value input of the first upper block: pre_norm (x + R, then the block's "
+                "RMSNorm; the paper) or post_norm (after the norm, so R's share does not shrink with width)",
+        "choices": ["pre_norm", "post_norm"]})
+    latent_std: float = field(default=1.0, metadata={"help": "rms of the post-sampler rows (of R) at init; under "
+                                                      "post_norm, R's size against the normalised stream"})
 
 
 # Width, depth, heads, kv heads, MLP width. 1b is Llama-3.2-1B's shape; 1.5b and 8b are the
@@ -172,12 +181,20 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.inject = cfg.latent_inject
 
     def forward(self, x, cos, sin, kv_extra=None, cache=None):
+        """Returns x, or (x, rms(R) / rms(what R is added to)) when kv_extra is given."""
         h = self.attn_norm(x)
-        kv = h if kv_extra is None else self.attn_norm(x + kv_extra)
+        if kv_extra is None:
+            kv = h
+        else:
+            base = h if self.inject == "post_norm" else x
+            ratio = (kv_extra.float().pow(2).mean().sqrt() / base.float().pow(2).mean().sqrt()).detach()
+            kv = base + kv_extra if self.inject == "post_norm" else self.attn_norm(x + kv_extra)
         x = x + self.drop(self.attn(h, kv, cos, sin, causal=True, cache=cache))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        return x if kv_extra is None else (x, ratio)
 
 
 class EncoderBlock(nn.Module):
@@ -314,14 +331,14 @@ class Transformer(nn.Module):
         elif isinstance(m, EncoderBlock):
             nn.init.normal_(m.zeta, 0.0, std)
         elif isinstance(m, LatentSampler):
-            nn.init.normal_(m.post_sampler, 0.0, std)
+            init_post_sampler(m.post_sampler, self.cfg)
 
     def rope(self, seq_len, device, offset=0):
         return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, device, offset)
 
     def forward(self, idx, mode="training", z=None, cache=None):
-        """Returns (logits, z_logits); z_logits is always None for the baseline. `cache` is
-        a list of per-block dicts for generation (see generate)."""
+        """Returns (logits, latent); latent is always None for the baseline. `cache` is a list of
+        per-block dicts for generation (see generate)."""
         cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
         x = self.drop(self.tok_emb(idx))
         for i, block in enumerate(self.blocks):
@@ -414,10 +431,11 @@ class FreeTransformer(Transformer):
         for block, c in zip(self.blocks[:half], caches):
             x = block(x, cos, sin, cache=c)
         r, z_logits = self.latent(x, cos, sin, mode=mode, z=z)
-        x = self.blocks[half](x, cos, sin, kv_extra=r, cache=caches[half])
+        x, r_ratio = self.blocks[half](x, cos, sin, kv_extra=r, cache=caches[half])
         for block, c in zip(self.blocks[half + 1:], caches[half + 1:]):
             x = block(x, cos, sin, cache=c)
-        return self.lm_head(self.norm(x)), z_logits
+        latent = None if z_logits is None else {"z_logits": z_logits, "r_rms_ratio": r_ratio}
+        return self.lm_head(self.norm(x)), latent
 
     def encoder_logits(self, idx):
         """The encoder's H bit-logits per position of idx (posterior Q(Z | idx))."""
@@ -444,20 +462,37 @@ class FreeTransformer(Transformer):
         return codes
 
 
+def init_post_sampler(weight, cfg):
+    """Rows of rms latent_std (or init_std). "bits": row d = S[d] @ V / sqrt(H), S[d] the +-1 bits
+    of code d and V an (H, D) normal matrix, so every bit moves R along its own direction from
+    the first step. With iid rows ("random") the straight-through gradient into bit h is the
+    difference of two averages of 2^(H-1) random rows, about 2^(-H/2) of a row: the encoder
+    gets almost no signal at H = 16."""
+    std = cfg.latent_std
+    with torch.no_grad():
+        if cfg.latent_init == "bits":
+            signs = 2 * code_bits(cfg.latent_bits, weight.device) - 1
+            v = torch.randn(cfg.latent_bits, weight.shape[1], device=weight.device) * std
+            weight.copy_((signs @ v / math.sqrt(cfg.latent_bits)).to(weight.dtype))
+        else:
+            nn.init.normal_(weight, 0.0, std)
+
+
 def build_model(cfg):
     return (FreeTransformer if cfg.arch == "free" else Transformer)(cfg)
 
 
-def lm_loss(logits, targets, z_logits=None, kappa=0.0):
-    """Cross-entropy, plus for the Free Transformer the free-bits KL term
-    mean_t max(0, KL_t - kappa), with the hinge applied per token before averaging.
-    Returns (total, {"ce": ..., "kl": ...}) with detached parts for logging."""
+def lm_loss(logits, targets, latent=None, kappa=0.0):
+    """Cross-entropy, plus for the Free Transformer (`latent`, the forward's second output) the
+    free-bits KL term mean_t max(0, KL_t - kappa), with the hinge applied per token before
+    averaging. Returns (total, {"ce", "kl", "r_rms_ratio"}) with detached parts for logging:
+    KL and r_rms_ratio (rms(R) / rms(the stream R joins)) falling towards 0 is posterior collapse."""
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    if z_logits is None:
+    if latent is None:
         return ce, {"ce": ce.detach()}
-    kl = latent_kl(z_logits)
+    kl = latent_kl(latent["z_logits"])
     total = ce + torch.clamp(kl - kappa, min=0.0).mean()
-    return total, {"ce": ce.detach(), "kl": kl.mean().detach()}
+    return total, {"ce": ce.detach(), "kl": kl.mean().detach(), "r_rms_ratio": latent["r_rms_ratio"]}
 
 
 def count_params(model):
