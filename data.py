@@ -49,6 +49,8 @@ class DataConfig:
     synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
 
 
+# Fields a resumed run may change: where the token cache lives does not change the tokens.
+RESUME_FREE = {"cache_dir"}
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
 FORMAT_VERSION = 1  # bump when the cache layout changes so old caches read as stale

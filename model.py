@@ -13,7 +13,7 @@ DecoderBlock is the unit that FSDP wraps and activation checkpointing recomputes
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -66,23 +66,66 @@ SIZE_PRESETS = {
 }
 
 
-def resolve_model_config(cfg):
-    """Check the fields and fill the derived ones; raises ValueError with one line."""
+# The valid values of the numeric fields: (field, test, what is valid), each reported by its flag.
+RANGES = [
+    ("n_layer", lambda v: v >= 1, ">= 1"), ("d_model", lambda v: v >= 1, ">= 1"),
+    ("n_head", lambda v: v >= 1, ">= 1"), ("n_kv_head", lambda v: v >= 0, ">= 0"),
+    ("ffn_hidden", lambda v: v >= 0, ">= 0"), ("vocab_size", lambda v: v >= 0, ">= 0"),
+    ("dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("init_std", lambda v: v > 0, "> 0"),
+    ("kappa", lambda v: v >= 0, ">= 0"), ("mapper_chunk", lambda v: v >= 1, ">= 1"),
+    ("rope_theta", lambda v: v > 0, "> 0"), ("norm_eps", lambda v: v > 0, "> 0"),
+]
+# Fields a resumed run may change, because they do not change what it computes: the size preset's
+# name (its fields are compared one by one) and the chunking of the Binary Mapper's backward.
+RESUME_FREE = {"size", "mapper_chunk"}
+
+
+def check_model_config(cfg, meta_init=False):
+    """Every rule on the fields, before anything is built; raises ValueError with one line that
+    names the flag. meta_init: the model will be built on the meta device and materialised module
+    by module, which a tied embedding does not survive."""
+    valid = {name: text for name, _, text in RANGES}
+    for f in fields(cfg):  # inf passes a test like "> 0" and nan none: every float must be finite
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{flag(f.name)} {value}: must be a finite number" +
+                             (f" {valid[f.name]}" if f.name in valid else ""))
+    for name, ok, text in RANGES:
+        if not ok(getattr(cfg, name)):
+            raise ValueError(f"{flag(name)} {getattr(cfg, name)}: must be {text}")
     if cfg.arch not in ("free", "baseline"):
         raise ValueError(f"--arch {cfg.arch!r}: valid values are free, baseline")
-    if cfg.n_kv_head == 0:
-        cfg.n_kv_head = cfg.n_head
-    if cfg.ffn_hidden == 0:
-        cfg.ffn_hidden = 64 * math.ceil(8 * cfg.d_model / 3 / 64)
     if cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2:
         raise ValueError(f"--d-model {cfg.d_model} must be a multiple of --n-head {cfg.n_head} with an even head size")
-    if cfg.n_head % cfg.n_kv_head:
+    if cfg.n_head % (cfg.n_kv_head or cfg.n_head):
         raise ValueError(f"--n-kv-head {cfg.n_kv_head} must divide --n-head {cfg.n_head}")
     if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
         raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of blocks >= 2")
     if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
         raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
+    if meta_init and cfg.tie_embeddings:
+        raise ValueError("--meta-init with --tie-embeddings: materialising unit by unit breaks the tie; "
+                         "use one of them")
+
+
+def resolve_model_config(cfg, data_vocab_size=0):
+    """Check the fields and fill the derived ones: n_kv_head, ffn_hidden and, given the data's
+    vocabulary size, vocab_size (0 = the data's; a smaller one is refused). Raises ValueError
+    with one line."""
+    check_model_config(cfg)
+    if data_vocab_size and cfg.vocab_size == 0:
+        cfg.vocab_size = data_vocab_size
+    elif cfg.vocab_size < data_vocab_size:
+        raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than the data's {data_vocab_size}")
+    if cfg.n_kv_head == 0:
+        cfg.n_kv_head = cfg.n_head
+    if cfg.ffn_hidden == 0:
+        cfg.ffn_hidden = 64 * math.ceil(8 * cfg.d_model / 3 / 64)
     return cfg
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
 
 
 # ---------------------------------------------------------------------------------------------
