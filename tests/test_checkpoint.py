@@ -670,8 +670,8 @@ def test_latest_is_written_after_the_checkpoint_is_in_place(tmp_path, monkeypatc
         tmp = root / f".tmp-{name}"
         tmp.mkdir()
         (tmp / "rng_rank0.pt").write_bytes(b"x" * (10 + i))
-        train_fsdp.publish_checkpoint(str(tmp), str(root / name), str(root), name, step, 528 * step, cfg, data,
-                                      None, 1)
+        meta = train_fsdp.checkpoint_meta(cfg, step, 528 * step, data.tokenizer_path, None, 1)
+        train_fsdp.publish_checkpoint(str(root / name), meta, cfg.checkpoint.keep_checkpoints)
         assert published[i:] == [(name, step, False)], published
         assert latest_name(tmp_path) == name and not tmp.exists()
         assert train_fsdp.check_checkpoint(str(root / name))["files"] == {"rng_rank0.pt": 10 + i}

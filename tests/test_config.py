@@ -21,6 +21,7 @@ import random
 import shutil
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -115,7 +116,8 @@ def test_sync_with_cpu_offload_is_fine_without_fsdp():
 
 def test_default_config_is_valid():
     cfg = parse_config([])
-    check_config(cfg)  # fills derived fields
+    check_config(cfg)
+    model_lib.resolve_model_config(cfg.model)  # fills derived fields
     assert cfg.model.n_kv_head == cfg.model.n_head
     assert cfg.model.ffn_hidden > 0
 
@@ -598,10 +600,12 @@ def check_run_dir(run_dir, expected_cfg, steps):
 
 
 def resolved(argv, vocab_size=32):
-    """The config the CLI should save: parsed, checked (derived fields filled) and vocab from the data."""
+    """The config the CLI should save: parsed, checked, then resolved for one process (derived fields
+    filled, vocab from the data)."""
     cfg = parse_config([str(a) for a in argv])
     check_config(cfg)
-    cfg.model.vocab_size = vocab_size
+    topo = T.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), backend="gloo")
+    T.resolve_config(cfg, topo, types.SimpleNamespace(vocab_size=vocab_size))
     return cfg
 
 

@@ -3,6 +3,7 @@ train through train_fsdp.main with FSDP on 2 processes, with the same losses as 
 
 Run as a script under torchrun by the test below.
 """
+import ast
 import json
 import os
 import subprocess
@@ -45,7 +46,8 @@ class TokenMLP(nn.Module):
 
 
 class ReverseTask:
-    """Predict (15 - token): every row is a function of (seed, global row index)."""
+    """Predict (15 - token): every row is a function of (seed, global row index). It has what the
+    trainer reads from a batch source (train_fsdp.BatchSource)."""
     vocab_size, seq_len, n_val, tokenizer_path = VOCAB, SEQ, 32, ""
 
     def _rows(self, ids):
@@ -75,6 +77,16 @@ def compute_loss(model, x, y, cfg):
 
 def load_dataset(cfg, rank):
     return ReverseTask()
+
+
+def test_the_seams_need_nothing_model_specific():
+    """This file imports neither model.py nor data.py, and its batch source is a BatchSource."""
+    tree = ast.parse(open(__file__).read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported.isdisjoint({"model", "data"}), imported
+    assert isinstance(ReverseTask(), train_fsdp.BatchSource)
+    assert not isinstance(object(), train_fsdp.BatchSource)
 
 
 def test_custom_model_through_the_seams(tmp_path):
