@@ -36,9 +36,11 @@ class ModelConfig:
     norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
     dropout: float = field(default=0.0, metadata={"help": "attention and residual dropout"})
     tie_embeddings: bool = field(default=False, metadata={"help": "share the token embedding with the LM head"})
-    init_std: float = field(default=0.02, metadata={"help": "std of the normal init; residual outputs get std/sqrt(2L)"})
+    init_std: float = field(default=0.02, metadata={
+        "help": "std of the normal init; residual outputs get std/sqrt(2L)"})
     latent_bits: int = field(default=16, metadata={"help": "H: bits of the Free Transformer's latent (2^H codes)"})
-    kappa: float = field(default=math.log(2) / 2, metadata={"help": "free bits per token, in nats (log(2)/2 = half a bit)"})
+    kappa: float = field(default=math.log(2) / 2, metadata={
+        "help": "free bits per token, in nats (log(2)/2 = half a bit)"})
     mapper_chunk: int = field(default=4096, metadata={"help": "tokens per chunk in the Binary Mapper's backward"})
     latent_init: str = field(default="bits", metadata={
         "help": "post-sampler table init: bits (each row a linear map of its code's +-1 bits) or random (iid rows)",
