@@ -8,7 +8,7 @@ TASK := --config configs/synthetic.toml
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep export sample bench test clean
+.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep export sample bench test lint clean
 
 # Each training target ends with the synthetic-task demonstration (sample.py --demo), which
 # reads the same run directory: RUN given on the command line (not --out-dir in ARGS), else a
@@ -56,6 +56,10 @@ bench:
 
 test:
 	$(PYTHON) -m pytest -q tests
+
+# ruff's settings are in pyproject.toml (pip install ruff); CI runs this before the tests.
+lint:
+	$(PYTHON) -m ruff check .
 
 clean:
 	rm -rf runs data_cache .pytest_cache __pycache__ tests/__pycache__

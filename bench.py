@@ -228,7 +228,8 @@ def markdown(rows, header):
 
 def build_arg_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single", help="single, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
+    p.add_argument("--suite", default="single",
+                   help="single, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "

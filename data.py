@@ -379,7 +379,8 @@ def check_lengths(cfg: DataConfig, manifest: dict, val_given: bool) -> None:
     """Both splits must hold at least one row of --seq-len + 1 tokens."""
     seq_len = cfg.seq_len or TEXT_SEQ_LEN
     more_val = "a larger --val-path corpus" if val_given else "a larger --val-fraction"
-    splits = {"training": (manifest["train_tokens"], "a larger corpus"), "validation": (manifest["val_tokens"], more_val)}
+    splits = {"training": (manifest["train_tokens"], "a larger corpus"),
+              "validation": (manifest["val_tokens"], more_val)}
     for name, (n, remedy) in splits.items():
         if n < seq_len + 1:
             raise DataError(f"{name} split has {n} tokens, fewer than --seq-len {seq_len} + 1; "

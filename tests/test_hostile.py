@@ -16,7 +16,6 @@ command lines stop before training, two at a time.
 import concurrent.futures
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -189,9 +188,11 @@ GOOD = json.dumps({"text": english(60)}) + "\n"
     ("line not JSON", {"c.jsonl": GOOD + "{not json\n"}, {}, r"c\.jsonl line 2: not a JSON object"),
     ("line without text", {"c.jsonl": GOOD + '{"title": "x"}\n'}, {}, r"line 2: not a JSON object with a \"text\""),
     ("text a number", {"c.jsonl": GOOD + '{"text": 5}\n'}, {}, r"line 2: not a JSON object with a \"text\""),
-    ("empty val path", {"c.jsonl": GOOD, "v.txt": "\n"}, {"val_path": "v.txt"}, r"--val-path \S*v\.txt: the corpus is empty"),
+    ("empty val path", {"c.jsonl": GOOD, "v.txt": "\n"}, {"val_path": "v.txt"},
+     r"--val-path \S*v\.txt: the corpus is empty"),
     ("bad val line", {"c.jsonl": GOOD, "v.jsonl": GOOD + "[1]\n"}, {"val_path": "v.jsonl"}, r"v\.jsonl line 2"),
-    ("seq-len over the data", {"c.jsonl": GOOD}, {"seq_len": 100000}, r"split has \d+ tokens, fewer than --seq-len 100000"),
+    ("seq-len over the data", {"c.jsonl": GOOD}, {"seq_len": 100000},
+     r"split has \d+ tokens, fewer than --seq-len 100000"),
     ("not a tokenizer", {"c.jsonl": GOOD, "t.model": "not a model"}, {"tokenizer": "t.model"},
      r"--tokenizer \S*t\.model: not a SentencePiece model; give a \.model file written by SentencePiece"),
 ])

@@ -118,7 +118,8 @@ def reference_grad_norm(run_dir):
 
 
 def test_log_records_and_start_up_summary(runs):
-    """Every log record carries the token count, throughput and memory fields, and rank 0's summary names world, backend, dtypes, parameter counts and the batch layout.
+    """Every log record carries the token count, throughput and memory fields, and rank 0's summary
+    names world, backend, dtypes, parameter counts and the batch layout.
     The logged grad_norm is the global norm before clipping: step 1's equals the norm computed
     here on one plain model (sharded or per-rank norms would be smaller, clipped ones 1.0)."""
     tokens_per_step = 8 * 66  # TINY: global batch 8, synthetic rows of 66 tokens
