@@ -170,13 +170,17 @@ def build_corpus():
     os.replace(CORPUS + ".tmp", CORPUS)
 
 
-def run_entry(name, nproc, flags, steps, out, peak_tflops, gemm, cap_gib, timeout_s, warmup=WARMUP):
-    run_dir = os.path.join(out, name.replace(" ", "_").replace("+", "_").replace(",", ""))
+def run_entry(entry, args, peak_tflops, gemm):
+    """One suite entry (name, processes, flags, steps[, warmup]) under the command line's --out,
+    --memory-cap-gib and --timeout-s; returns its row of the table."""
+    name, nproc, flags, steps, *rest = entry
+    warmup, timeout_s = rest[0] if rest else WARMUP, args.timeout_s
+    run_dir = os.path.join(args.out, name.replace(" ", "_").replace("+", "_").replace(",", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "bench.py", "--train", *BASE, *flags, "--max-steps", str(steps), "--out-dir", run_dir]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(cap_gib)})
+                            env={**os.environ, "BENCH_MEMORY_CAP_GIB": str(args.memory_cap_gib)})
     try:
         output, _ = proc.communicate(timeout=timeout_s or None)
     except subprocess.TimeoutExpired:
@@ -257,11 +261,10 @@ def main():
         build_corpus()
     print(header, flush=True)
     rows = []
-    for name, nproc, flags, steps, *warmup in suite(args.suite, ngpu):
-        if args.only and args.only not in name:
+    for entry in suite(args.suite, ngpu):
+        if args.only and args.only not in entry[0]:
             continue
-        rows.append(run_entry(name, nproc, flags, steps, args.out, peak / 1e12, gemm, args.memory_cap_gib,
-                              args.timeout_s, *warmup))
+        rows.append(run_entry(entry, args, peak / 1e12, gemm))
         print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, f"bench_{args.suite}.json"), "w") as fh:
         json.dump({"header": header, "rows": rows}, fh, indent=1)

@@ -85,13 +85,14 @@ class Dataset:
     """Rows of seq_len + 1 tokens cut from a flat token array at a fixed stride, plus the tokenizer.
 
     Text rows start every seq_len tokens, so neighbours share one boundary token (nanoGPT's x/y);
-    synthetic samples are independent, so their stride is the whole row.
+    synthetic samples are independent, so their stride is the whole row. `tokenizer`: the
+    SentencePiece processor and its .model path, (None, "") for the synthetic alphabet.
     """
 
-    def __init__(self, train, val, seq_len, stride, vocab_size, seed, sp=None, tokenizer_path=""):
+    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, "")):
         self.train_tokens, self.val_tokens = train, val
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
-        self.sp, self.tokenizer_path = sp, tokenizer_path
+        self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
         self.n_val = (len(val) - seq_len - 1) // stride + 1
         self._perm_epoch, self._perm = -1, None
@@ -453,7 +454,7 @@ def prepare_data(cfg: DataConfig) -> None:
     try:
         remove_dead_builds(out.parent, prefix)
         tmp.mkdir(parents=True)
-        manifest = build_cache(cfg, train_paths, val_paths, model, inputs, hashes, tmp, out)
+        manifest = build_cache(cfg, (train_paths, val_paths, model), {"inputs": inputs, "sha256": hashes}, tmp, out)
         check_lengths(cfg, manifest, bool(val_paths))
         publish(tmp, out)
     except BaseException:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing behind
@@ -466,9 +467,11 @@ def prepare_data(cfg: DataConfig) -> None:
         raise
 
 
-def build_cache(cfg, train_paths, val_paths, model, inputs, hashes, tmp: Path, out: Path) -> dict:
+def build_cache(cfg, sources, identity: dict, tmp: Path, out: Path) -> dict:
     """Tokenizer (trained unless given), train.bin, val.bin and manifest.json, written into tmp
-    for the final directory `out`. Returns the manifest."""
+    for the final directory `out`. `sources`: (training files, validation files, the given
+    tokenizer or None); `identity`: the manifest's inputs and sha256. Returns the manifest."""
+    train_paths, val_paths, model = sources
     model = model or train_tokenizer(cfg, train_paths, tmp)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     dtype = np.uint16 if sp.vocab_size() < 2**16 else np.uint32
@@ -482,7 +485,7 @@ def build_cache(cfg, train_paths, val_paths, model, inputs, hashes, tmp: Path, o
         n_train -= n_val
     settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
     tokenizer_path = model if cfg.tokenizer else out / model.name  # where the trained one will be after the rename
-    manifest = {"format": FORMAT_VERSION, "inputs": inputs, "sha256": hashes, "tokenizer": settings,
+    manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": settings,
                 "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
                 "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -521,4 +524,4 @@ def load_data(cfg: DataConfig, seed: int) -> Dataset:
     seq_len = cfg.seq_len or TEXT_SEQ_LEN
     train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
     sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
-    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, sp, manifest["tokenizer_path"])
+    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]))

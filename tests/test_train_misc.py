@@ -145,7 +145,8 @@ def test_bench_timeout_stops_the_workers_too(tmp_path):
     (torchrun's workers run in sessions of their own: killing torchrun's group alone missed them)."""
     import bench
     flags = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "1", "--global-batch", "2"]
-    row = bench.run_entry("never ends", 2, flags, 10 ** 6, str(tmp_path), 1.0, 1.0, 0, timeout_s=20)
+    args = bench.build_arg_parser().parse_args(["--out", str(tmp_path), "--timeout-s", "20"])
+    row = bench.run_entry(("never ends", 2, flags, 10 ** 6), args, 1.0, 1.0)
     assert "stopped after --timeout-s 20" in open(os.path.join(tmp_path, "never_ends.log")).read()
     assert "error" in row
     run_dir = os.path.join(str(tmp_path), "never_ends")
