@@ -428,11 +428,11 @@ def fsdp_kwargs(cfg, wrap_classes, topo, init_fn):
     return kw
 
 
-def gradient_sync(model, cfg, sync):
-    """Around one micro-batch's forward and backward (no_sync must cover both). sync=False
-    leaves the gradients unreduced until a later micro-batch: FSDP1 and DDP then hold
-    full-size gradients, in param_dtype (see --grad-accum-mode)."""
-    if sync or cfg.train.strategy == "none":
+def gradient_sync(model, cfg, last):
+    """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
+    reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync.
+    Between reductions FSDP1 and DDP hold full-size gradients, in param_dtype."""
+    if last or cfg.train.grad_accum_mode == "sync" or cfg.train.strategy == "none":
         return contextlib.nullcontext()
     return model.no_sync()
 
@@ -558,6 +558,7 @@ class Plan:
 
 
 def plan_run(cfg, topo, data):
+    """The Plan of a resolved config (checked by check_world: the global batch divides)."""
     t = cfg.train
     micro = t.micro_batch or t.global_batch // topo.world
     return Plan(micro=micro, accum=t.global_batch // (micro * topo.world), seq_len=data.seq_len,
@@ -622,8 +623,7 @@ def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
     Returns (mean losses, global gradient norm, whether the step was skipped)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
-        sync = m == accum - 1 or cfg.train.grad_accum_mode == "sync"
-        with gradient_sync(model, cfg, sync):
+        with gradient_sync(model, cfg, last=m == accum - 1):
             with precision_context(cfg, x.device):
                 loss, parts = loss_fn(model, x, y, cfg)
             scaled = loss / accum
