@@ -398,13 +398,15 @@ class Transformer(nn.Module):
         return flops_per_token(self.cfg, seq_len)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="encoder",
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="prior",
                  generator=None):
         """Sample max_new_tokens after prompt_ids (B, T0) with a KV cache; call model.eval() first.
 
         Free Transformer: `z` (B, T0 + max_new_tokens) code indices fixes Z at every position;
-        otherwise the prompt's Z comes from the encoder (prompt_z="encoder") or the uniform prior
-        ("prior"), and each new position's Z is drawn from the prior once, never resampled.
+        otherwise each position's Z is drawn from the uniform prior once, never resampled. The
+        prompt's Z too by default ("prior": the generative model that training fits); "encoder"
+        runs the encoder on the prompt alone, an input it never saw in training (it saw whole
+        rows): on the synthetic task that moved the mean block start by 4 positions.
         A seeded `generator` makes the samples reproducible. Returns (tokens, codes or None)."""
         T0 = prompt_ids.shape[1]
         codes = self.latent_codes(prompt_ids, T0 + max_new_tokens, z, prompt_z, generator)

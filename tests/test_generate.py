@@ -1,4 +1,5 @@
 """KV-cache generation, reproducible sampling, sample.py and the demonstration's parser."""
+import math
 import os
 import subprocess
 import sys
@@ -28,15 +29,16 @@ def uncached(model, prompt, new, codes, temperature, top_k, gen):
     return out
 
 
-@pytest.mark.parametrize("arch", ["baseline", "free"])
+@pytest.mark.parametrize("arch, prompt_z", [("baseline", "prior"), ("free", "prior"), ("free", "encoder")])
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (1.0, 0), (0.8, 5)])
-def test_cached_generation_equals_uncached(arch, temperature, top_k):
+def test_cached_generation_equals_uncached(arch, prompt_z, temperature, top_k):
     model = tiny(arch)
     prompt = torch.randint(0, 32, (3, 5), generator=torch.Generator().manual_seed(1))
-    out, codes = model.generate(prompt, 12, temperature, top_k, generator=torch.Generator().manual_seed(2))
+    out, codes = model.generate(prompt, 12, temperature, top_k, prompt_z=prompt_z,
+                                generator=torch.Generator().manual_seed(2))
     gen = torch.Generator().manual_seed(2)
     if arch == "free":  # replay the generator draws that chose Z, then decode without a cache
-        model.latent_codes(prompt, 17, None, "encoder", gen)
+        model.latent_codes(prompt, 17, None, prompt_z, gen)
     ref = uncached(model, prompt, 12, codes, temperature, top_k, gen)
     assert torch.equal(out, ref)
     assert out.shape == (3, 17) and torch.equal(out[:, :5], prompt)
@@ -66,6 +68,11 @@ def test_z_changes_the_samples_and_prompt_z_modes():
     assert not torch.equal(a, b)  # Z reaches the decoder
     _, codes = model.generate(prompt, 4, prompt_z="prior", generator=torch.Generator().manual_seed(0))
     assert codes.shape == (2, 7) and codes.max() < 64
+    # The default takes the prompt's Z from the prior (what training fits), not the encoder.
+    _, default = model.generate(prompt, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(default, codes)
+    _, enc = model.generate(prompt, 4, prompt_z="encoder", generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(enc[:, :3], codes[:, :3])
     with pytest.raises(ValueError, match="prompt_z"):
         model.generate(prompt, 4, prompt_z="posterior")
     with pytest.raises(ValueError, match="z has shape"):
@@ -80,8 +87,9 @@ def test_block_parser():
     assert sample.block_start("____" + "KKKKKKKK" + "_" * 51 + "J", "K") == (4, False)  # another letter
     assert sample.block_start("_" * 64, "K") == (None, False)
     assert sample.block_start("____KKKK", "K") == (4, False)                           # too short
-    share, ok = sample.batch_stats(["K>" + "KKKKKKKK" + "_" * 56] * 3 + ["K>" + "_" * 64], "K")
-    assert share == 0.75 and ok == 0.75
+    share, ok, starts = sample.batch_stats(["K>" + "KKKKKKKK" + "_" * 56] * 3 + ["K>" + "_" * 64], "K")
+    assert share == 0.75 and ok == 0.75 and starts == [0, 0, 0]
+    assert sample.entropy([3, 3, 3]) == 0.0 and abs(sample.entropy([1, 2]) - math.log(2)) < 1e-12
 
 
 def test_sample_cli_and_demo_on_a_saved_run(tmp_path):
@@ -100,6 +108,7 @@ def test_sample_cli_and_demo_on_a_saved_run(tmp_path):
     assert len(lines) == 3 and all(line.startswith("'K>") for line in lines)
     summary = sample.main(["--ckpt", str(run), "--demo", "--device", "cpu"])
     assert set(summary) >= {"fixed_z", "fresh_z"} and (run / "demo.json").exists()
+    assert 0 <= summary["fresh_z"]["start_entropy"] <= summary["uniform_start_entropy"] == math.log(57)
     assert (run / "demo_samples.txt").read_text().count("[fixed_z") == 8 * 8
     bad = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "nope")], cwd=ROOT, env=env,
                          capture_output=True, text=True)
