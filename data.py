@@ -67,6 +67,7 @@ SYNTH_BODY, SYNTH_BLOCK, SYNTH_NOISE = 64, 8, 1 / 16
 SYNTH_ROW = 3 + SYNTH_BODY  # "\n" + letter + ">" + body = 67 tokens -> seq_len 66
 SYNTH_VAL_SEED = (12345, 54321)  # fixed and independent of --seed, so every run validates on the same set
 NEWLINE, PROMPT_END, NOISE, BLANK, LETTER_A = range(5)
+SHIFT_STREAM = 1  # third word of the seed of the text windows' per-epoch shifts (Dataset.epoch_shift)
 
 
 def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -87,43 +88,77 @@ class Dataset:
     Text rows start every seq_len tokens, so neighbours share one boundary token (nanoGPT's x/y);
     synthetic samples are independent, so their stride is the whole row. `tokenizer`: the
     SentencePiece processor and its .model path, (None, "") for the synthetic alphabet.
+
+    `shift_windows` (text): every epoch after the first moves all its windows by one offset in
+    [1, stride), so a token is not always seen at the same position with the same left context
+    (fixed windows let a model memorise them: issue 16). Epoch 0 is unshifted, so a run of one
+    epoch sees every window of the unshifted layout exactly once. A shifted epoch has
+    n_shifted rows (n_train, or one fewer when the last window would run past the end).
     """
 
-    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, "")):
+    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""), shift_windows=False):
         self.train_tokens, self.val_tokens = train, val
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
         self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
         self.n_val = (len(val) - seq_len - 1) // stride + 1
+        # Rows of a shifted epoch: as many as fit after the largest shift (stride - 1); a corpus of
+        # a single window can still shift by what is left after it (max_shift, possibly 0).
+        self.n_shifted = max(1, (len(train) - stride - seq_len) // stride + 1) if shift_windows else self.n_train
+        self.max_shift = min(stride - 1, len(train) - seq_len - 1 - (self.n_shifted - 1) * stride) \
+            if shift_windows else 0
         self._perm_epoch, self._perm = -1, None
+
+    def epoch_rows(self, epoch: int) -> int:
+        return self.n_train if epoch == 0 else self.n_shifted
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         # Only the current epoch's order is kept: uint32 is 4 bytes a row even for billions of rows.
         if epoch != self._perm_epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
-            self._perm = perm.astype(np.uint32 if self.n_train <= 2**32 else np.int64)
+            n = self.epoch_rows(epoch)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perm = perm.astype(np.uint32 if n <= 2**32 else np.int64)
             self._perm_epoch = epoch
         return self._perm
+
+    def epoch_shift(self, epoch: int) -> int:
+        """Where epoch `epoch`'s windows start: 0 for epoch 0; after that each block of max_shift
+        epochs takes every offset in [1, max_shift] once, in an order drawn from (seed, block),
+        so that no two epochs of a block see the same windows."""
+        if epoch == 0 or self.max_shift == 0:
+            return 0
+        block, i = divmod(epoch - 1, self.max_shift)
+        # [seed, block, SHIFT_STREAM]: a stream of its own, apart from the epochs' permutations.
+        return 1 + int(np.random.default_rng([self.seed, block, SHIFT_STREAM]).permutation(self.max_shift)[i])
+
+    def epoch_of(self, k: np.ndarray):
+        """(epoch, position in that epoch) of the k-th training row of the run."""
+        later = np.maximum(k - self.n_train, 0)
+        epochs = np.where(k < self.n_train, 0, 1 + later // self.n_shifted)
+        return epochs, np.where(k < self.n_train, k, later % self.n_shifted)
 
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
         """Rows [start, start+count) of training step `step`'s global batch, as int64 (x, y)."""
         if start < 0 or count < 0 or start + count > global_batch:
             raise ValueError(f"slice [{start}, {start + count}) is outside the global batch of {global_batch}")
         k = step * global_batch + start + np.arange(count, dtype=np.int64)
-        epochs, positions = np.divmod(k, self.n_train)
-        rows = np.empty(count, np.int64)
+        epochs, positions = self.epoch_of(k)
+        offsets = np.empty(count, np.int64)
         for epoch in np.unique(epochs):  # a batch may straddle an epoch boundary
             hit = epochs == epoch
-            rows[hit] = self.epoch_permutation(int(epoch))[positions[hit]]
-        return self.rows_to_xy(self.train_tokens, rows)
+            rows = self.epoch_permutation(int(epoch))[positions[hit]].astype(np.int64)
+            offsets[hit] = rows * self.stride + self.epoch_shift(int(epoch))
+        return self.windows(self.train_tokens, offsets)
 
     def val_batch(self, start: int, count: int):
         """Fixed validation rows [start, start+count), clipped at n_val."""
-        return self.rows_to_xy(self.val_tokens, np.arange(start, min(start + count, self.n_val), dtype=np.int64))
+        rows = np.arange(start, min(start + count, self.n_val), dtype=np.int64)
+        return self.windows(self.val_tokens, rows * self.stride)
 
-    def rows_to_xy(self, tokens, rows: np.ndarray):
+    def windows(self, tokens, offsets: np.ndarray):
+        """(x, y) of the seq_len + 1 tokens starting at each of `offsets`."""
         # Fancy indexing a memmap reads only the touched pages, never the whole file.
-        block = tokens[rows[:, None] * self.stride + np.arange(self.seq_len + 1)]
+        block = tokens[offsets[:, None] + np.arange(self.seq_len + 1)]
         x = np.ascontiguousarray(block[:, :-1], dtype=np.int64)
         y = np.ascontiguousarray(block[:, 1:], dtype=np.int64)
         return torch.from_numpy(x), torch.from_numpy(y)
@@ -524,4 +559,5 @@ def load_data(cfg: DataConfig, seed: int) -> Dataset:
     seq_len = cfg.seq_len or TEXT_SEQ_LEN
     train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
     sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
-    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]))
+    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]),
+                   shift_windows=True)

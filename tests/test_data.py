@@ -193,6 +193,101 @@ def test_val_batch_is_fixed_and_clipped():
     assert ds.val_batch(10, 4)[0].shape == (0, 66)
 
 
+# --- text windows shifted per epoch (issue 16) ----------------------------------------------------------------------
+
+
+def text_dataset(n_tokens, seq_len=8, seed=0):
+    # Token i is i, so a window's start offset is its first token, x[:, 0].
+    return data.Dataset(np.arange(n_tokens), np.arange(seq_len + 1), seq_len, seq_len, n_tokens, seed,
+                        shift_windows=True)
+
+
+def offsets_per_epoch(ds, global_batch, steps):
+    """{epoch: window start offsets in the order the run reads them}, walking steps 0..steps-1."""
+    k = np.arange(steps * global_batch)
+    epochs, _ = ds.epoch_of(k)
+    starts = torch.cat([ds.train_batch(s, global_batch, 0, global_batch)[0][:, 0] for s in range(steps)]).tolist()
+    out = {}
+    for epoch, start in zip(epochs.tolist(), starts):
+        out.setdefault(epoch, []).append(start)
+    return out
+
+
+def test_text_windows_shift_every_epoch_and_cover_each_shifted_layout_once():
+    # 8-token windows over 84 tokens: 10 rows unshifted (the last ends at token 81), 9 once shifted.
+    ds = text_dataset(84)
+    assert (ds.n_train, ds.n_shifted, ds.max_shift) == (10, 9, 7)
+    seen = offsets_per_epoch(ds, 4, 20)  # 80 rows: epoch 0, then 7 whole shifted epochs (and a bit)
+    assert sorted(seen[0]) == list(range(0, 80, 8))  # epoch 0: the unshifted windows, every one once
+    shifts = []
+    for epoch in range(1, 8):
+        shift = seen[epoch][0] % 8
+        assert sorted(seen[epoch]) == [shift + 8 * j for j in range(9)], epoch  # every row once, one shift
+        assert ds.epoch_shift(epoch) == shift and 1 <= shift <= 7
+        shifts.append(shift)
+    # Epochs 1-7 use each of the 7 possible shifts once: no two epochs see the same windows.
+    assert sorted(shifts) == list(range(1, 8))
+    assert shifts != list(range(1, 8))  # in a drawn order, not counting up
+    # The windows really are what the token stream holds at those offsets.
+    x, y = ds.train_batch(3, 4, 0, 4)
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x, x[:, :1] + torch.arange(8))
+
+
+def test_text_window_shifts_depend_on_the_seed():
+    a = [text_dataset(1000, seq_len=64, seed=0).epoch_shift(e) for e in range(1, 9)]
+    b = [text_dataset(1000, seq_len=64, seed=1).epoch_shift(e) for e in range(1, 9)]
+    assert a != b and len(set(a)) == len(set(b)) == 8
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 9])  # 2 and 5 straddle epoch boundaries (10 and 19 rows)
+def test_shifted_windows_are_identical_for_any_world_size_and_disjoint_across_ranks(step):
+    global_batch = 4
+    whole = text_dataset(84).train_batch(step, global_batch, 0, global_batch)
+    for world in (1, 2, 4):
+        per_rank = global_batch // world
+        slices = [text_dataset(84).train_batch(step, global_batch, r * per_rank, per_rank) for r in range(world)]
+        starts = [s for x, _ in slices for s in x[:, 0].tolist()]
+        assert len(set(starts)) == len(starts)  # disjoint across ranks
+        assert torch.equal(torch.cat([x for x, _ in slices]), whole[0])
+        assert torch.equal(torch.cat([y for _, y in slices]), whole[1])
+
+
+def test_shifted_windows_resume_exactly():
+    """A resumed run builds a fresh Dataset and addresses its next step directly: it must read
+    what the uninterrupted run read, in every epoch, with no state carried over."""
+    walked = text_dataset(84, seed=5)
+    batches = [walked.train_batch(step, 4, 0, 4)[0] for step in range(30)]
+    for step in (29, 7, 2, 16, 0):
+        assert torch.equal(text_dataset(84, seed=5).train_batch(step, 4, 0, 4)[0], batches[step]), step
+
+
+def test_one_epoch_of_text_reads_the_unshifted_windows_as_before():
+    """Epoch 0 is unshifted and ordered as before the shifts existed: a single-epoch run sees
+    every window of the corpus once, in the same order."""
+    shifted, plain = text_dataset(84, seed=3), text_dataset(84, seed=3)
+    plain.n_shifted, plain.max_shift = plain.n_train, 0  # the layout without shifts
+    for step in range(2):
+        assert torch.equal(shifted.train_batch(step, 5, 0, 5)[0], plain.train_batch(step, 5, 0, 5)[0])
+    first = shifted.train_batch(0, 10, 0, 10)[0][:, 0]
+    assert (first // 8).tolist() == np.random.default_rng([3, 0]).permutation(10).tolist()
+
+
+def test_a_corpus_of_one_window_shifts_by_what_is_left():
+    assert (text_dataset(9).n_shifted, text_dataset(9).max_shift) == (1, 0)  # no token to spare: no shift
+    ds = text_dataset(11)  # 2 tokens to spare
+    assert (ds.n_train, ds.n_shifted, ds.max_shift) == (1, 1, 2)
+    starts = [ds.train_batch(step, 1, 0, 1)[0][0, 0].item() for step in range(5)]
+    assert starts[0] == 0 and sorted(starts[1:3]) == [1, 2] and sorted(starts[3:5]) == [1, 2]
+
+
+def test_synthetic_and_random_rows_are_not_shifted():
+    ds = load_data(DataConfig(synthetic_train_samples=16), seed=0)
+    assert ds.max_shift == 0 and ds.n_shifted == ds.n_train
+    x, _ = ds.train_batch(5, 8, 0, 8)  # epoch 2
+    assert (x[:, 0] == data.NEWLINE).all() and (x[:, 2] == data.PROMPT_END).all()
+    assert data.load_data(DataConfig(dataset="random", seq_len=16), seed=0).max_shift == 0
+
+
 # --- text corpora ---------------------------------------------------------------------------------------------------
 
 
@@ -213,11 +308,12 @@ def test_text_prepare_and_load(tmp_path, corpus, kind):
     assert len(ds.val_tokens) == int(np.ceil(len(stream) * 0.01))
     assert ds.decode(ds.encode(text)) == text  # newlines, double spaces and digits survive
     assert ds.n_train == (len(ds.train_tokens) - 1) // 32 and ds.n_val == (len(ds.val_tokens) - 1) // 32
+    assert ds.max_shift == 31  # text windows shift per epoch (issue 16)
     x, y = ds.train_batch(0, 4, 0, 4)
     assert x.dtype == torch.int64 and x.shape == y.shape == (4, 32)
     assert torch.equal(x[:, 1:], y[:, :-1])
     # Consecutive rows share one boundary token, nanoGPT-style.
-    rows = ds.rows_to_xy(ds.train_tokens, np.array([0, 1]))
+    rows = ds.windows(ds.train_tokens, np.array([0, 32]))
     assert rows[1][0, -1] == rows[0][1, 0]
     assert rows[0][0].tolist() == ds.train_tokens[:32].tolist()
 
