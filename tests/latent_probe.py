@@ -122,11 +122,12 @@ def main(argv=None):
                    **{f"train_{k}": round(float(v), 4) for k, v in parts.items()},
                    **{k: round(v, 4) for k, v in evaluate(model, data, a, device, ctx).items()}}
             print(json.dumps(rec), file=out, flush=True)
-    model.eval()
-    summary, _ = sample.synthetic_demo(model, device, a.seed, n_batches=a.demo_batches)
-    rec = {**head, "final": True, **rec, "fixed_z": round(summary["fixed_z"]["same_start_share"], 3),
-           "fresh_z": round(summary["fresh_z"]["same_start_share"], 3)}
-    print(json.dumps(rec), file=out, flush=True)
+    if a.demo_batches:
+        model.eval()
+        summary, _ = sample.synthetic_demo(model, device, a.seed, n_batches=a.demo_batches)
+        rec = {**head, "final": True, **rec, "fixed_z": round(summary["fixed_z"]["same_start_share"], 3),
+               "fresh_z": round(summary["fresh_z"]["same_start_share"], 3)}
+        print(json.dumps(rec), file=out, flush=True)
 
 
 if __name__ == "__main__":
