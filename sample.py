@@ -26,13 +26,16 @@ import model as model_lib
 
 def find_checkpoint(path):
     """The consolidated model.pt of a run directory (its latest checkpoint), of a checkpoint
-    directory, or the file itself."""
+    directory (or RUN/checkpoints/best or latest, which name one), or the file itself."""
     if os.path.isdir(os.path.join(path, "checkpoints")):
         latest = os.path.join(path, "checkpoints", "latest")
         if not os.path.isfile(latest):
             raise FileNotFoundError(f"{path} holds no checkpoints/latest; is it a run directory?")
         with open(latest) as fh:
             path = os.path.join(path, "checkpoints", fh.read().strip())
+    if os.path.basename(path) in ("best", "latest") and os.path.isfile(path):  # a marker: the name of a checkpoint
+        with open(path) as fh:
+            path = os.path.join(os.path.dirname(path), fh.read().strip())
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "model.pt")):
             raise FileNotFoundError(f"{path} is a sharded checkpoint without a consolidated model.pt; write one "
@@ -157,7 +160,8 @@ def check_args(args):
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", help="run directory (its latest checkpoint) or a model.pt")
+    p.add_argument("--ckpt", help="run directory (its latest checkpoint), RUN/checkpoints/best (the lowest "
+                   "validation loss), a checkpoint directory or a model.pt")
     p.add_argument("--summarize", nargs="+", metavar="RUN", help="print a table of runs that ran --demo")
     p.add_argument("--prompt", default="", help="text to continue; default: a newline (synthetic: '\\nK>')")
     p.add_argument("--num-samples", type=int, default=8, help="samples in the batch")

@@ -136,6 +136,11 @@ class CheckpointConfig:
     save_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)")
     save_final: bool = opt(True, "save a checkpoint at the end (benchmarks turn it off)")
     keep_checkpoints: int = opt(3, "keep the newest K complete checkpoints")
+    keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (named by checkpoints/best, "
+                          "never pruned); each --save-every and final save is then evaluated first")
+    async_save: bool = opt(False, "write the --save-every checkpoints in the background (DCP async_save: staged to "
+                           "CPU, published at a later step once every rank has written); stop and final saves "
+                           "stay synchronous")
     full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
     resume: str = opt("auto", "auto: continue from the run directory's latest complete checkpoint; never: "
                       "refuse a run directory that holds a run; or a checkpoint directory to continue from")
@@ -720,11 +725,12 @@ def staging_path(path):
     return os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
 
 
-def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world):
-    """What meta.json holds besides the file sizes (publish_checkpoint adds those)."""
+def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None):
+    """What meta.json holds besides the file sizes (publish_checkpoint adds those). `val_loss`:
+    the validation loss of this very step, when it was evaluated (what --keep-best compares)."""
     return {"step": step, "tokens_seen": tokens_seen, "type": cfg.checkpoint.checkpoint_type, "world_size": world,
             "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "scaler": scaler.state_dict() if scaler else None}
+            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss}
 
 
 def consolidated_payload(state, meta):
@@ -766,18 +772,8 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
     """Save on every rank (state dicts and DCP are collectives) the checkpoint `path` described
     by `meta` (checkpoint_meta); `c`: the checkpoint settings. `consolidate` also writes the
     single-file model.pt next to a sharded checkpoint (done at the end of training)."""
-    rank, tmp = topo.rank, staging_path(path)
+    rank, tmp = topo.rank, make_staging_dir(path, meta, topo)
     error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = f"{e.strerror}: {e.filename}"
-    failed = f"saving the checkpoint of step {meta['step']} failed ({{}}); the previous checkpoint is intact"
-    error = any_rank_error(error, topo)  # also the barrier: no rank writes before the directory exists
-    if error:
-        raise RunFailed(failed.format(error))
     try:
         if meta["type"] == "sharded":
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -795,26 +791,146 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    error = any_rank_error(error, topo)
-    if error:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RunFailed(failed.format(error.splitlines()[0]))
-    if rank == 0:
+    stop_if_save_failed(error, path, meta, topo)
+    return publish_everywhere(path, meta, c, topo)
+
+
+def save_failed(meta, error):
+    return RunFailed(f"saving the checkpoint of step {meta['step']} failed ({error.splitlines()[0]}); the previous "
+                     "checkpoint is intact")
+
+
+def make_staging_dir(path, meta, topo):
+    """Rank 0 makes the empty staging directory of `path`; every rank returns it, or raises
+    RunFailed on every rank. Also the barrier: no rank writes before the directory exists."""
+    tmp, error = staging_path(path), None
+    if topo.rank == 0:
         try:
-            publish_checkpoint(path, meta, c.keep_checkpoints)
-        except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
             error = f"{e.strerror}: {e.filename}"
     error = any_rank_error(error, topo)
     if error:
-        raise RunFailed(failed.format(error))
+        raise save_failed(meta, error)
+    return tmp
+
+
+def stop_if_save_failed(error, path, meta, topo):
+    """`error`: this rank's write error or None. When any rank has one, every rank raises
+    RunFailed, rank 0 having deleted the staging directory (the previous checkpoint is untouched)."""
+    error = any_rank_error(error, topo)
+    if error:
+        if topo.rank == 0:
+            shutil.rmtree(staging_path(path), ignore_errors=True)
+        raise save_failed(meta, error)
+
+
+def publish_everywhere(path, meta, c, topo):
+    """Once every rank has written its files: rank 0 publishes (publish_checkpoint), every rank
+    learns whether that worked. Returns path."""
+    error = None
+    if topo.rank == 0:
+        try:
+            publish_checkpoint(path, meta, c.keep_checkpoints, c.keep_best)
+        except OSError as e:
+            shutil.rmtree(staging_path(path), ignore_errors=True)
+            error = f"{e.strerror}: {e.filename}"
+    error = any_rank_error(error, topo)
+    if error:
+        raise save_failed(meta, error)
     return path
 
 
-def publish_checkpoint(path, meta, keep):
+@dataclass
+class PendingSave:
+    """An --async-save checkpoint that DCP is writing in the background."""
+
+    path: str
+    meta: dict
+    future: object  # DCP's future of this rank's write (and of the save's collectives)
+    started: float  # time.perf_counter() when it was handed over
+
+
+def start_async_save(path, meta, model, optimizer, topo, group):
+    """--async-save: on every rank, stage the sharded model and optimizer state to CPU and hand
+    them to DCP's background writer (dcp.async_save), which returns once the copy is made, so
+    training may change the weights at once. `group`: a gloo group of the writer's own: its
+    collectives run in another thread and must not interleave with training's on the same group.
+    The RNG states are written here, synchronously (they are small). async_save_done, then
+    publish_everywhere, finish it at a later step boundary."""
+    tmp, error, future = make_staging_dir(path, meta, topo), None, None
+    try:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        # Given the writer, DCP stages through it (a blocking copy to CPU that handles FSDP1's
+        # ShardedTensors as well as DTensors; its default stager fails on ShardedTensors).
+        writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
+        future = dcp.async_save(state, storage_writer=writer, process_group=group)
+        # Releases that stage in the background as well return a pair of futures: the write's is the one.
+        future = getattr(future, "upload_completion", future)
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
+        fsync_path(os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
+    except (Exception, CheckpointException) as e:
+        error = f"rank {topo.rank}: {type(e).__name__}: {e}"
+    stop_if_save_failed(error, path, meta, topo)
+    return PendingSave(path, meta, future, time.perf_counter())
+
+
+def async_save_done(pending, topo, wait=False):
+    """At a step boundary, on every rank (a small all-reduce over the control group): True once
+    every rank's background write of `pending` has completed; `wait`: first wait for this rank's.
+    A write that failed on any rank raises RunFailed on every rank (save_failed's one line)."""
+    if wait:
+        pending.future.exception()  # blocks until the write has ended, whatever its outcome
+    done = pending.future.done()
+    e = pending.future.exception() if done else None
+    error = f"rank {topo.rank}: {type(e).__name__}: {e}" if e is not None else None
+    flags = torch.tensor([int(not done), int(error is not None)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topo.control)
+    if flags[1].item():
+        stop_if_save_failed(error, pending.path, pending.meta, topo)
+    return flags[0].item() == 0
+
+
+def follow_marker(path):
+    """RUN/checkpoints/latest or RUN/checkpoints/best (a file holding a checkpoint's name) ->
+    that checkpoint's directory; any other path unchanged."""
+    if os.path.basename(path.rstrip("/")) in ("latest", "best") and os.path.isfile(path):
+        with open(path) as fh:
+            return os.path.join(os.path.dirname(path), fh.read().strip())
+    return path
+
+
+def mark_best(root, keep_best):
+    """checkpoints/best names the complete checkpoint of lowest validation loss (meta.json's
+    val_loss; ties: the earlier step), written atomically like `latest`; without --keep-best it is
+    removed (nothing would keep the checkpoint it names). Returns that name, or None."""
+    marker = os.path.join(root, "best")
+    if not keep_best:
+        if os.path.exists(marker):
+            os.remove(marker)
+        return None
+    scored = []
+    for name in complete_checkpoints(root):
+        try:
+            with open(os.path.join(root, name, "meta.json")) as fh:
+                loss = json.load(fh).get("val_loss")
+        except (OSError, ValueError):
+            continue
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            scored.append((loss, name))
+    if not scored:
+        return None
+    best = min(scored)[1]
+    if follow_marker(marker) != os.path.join(root, best):
+        write_text_atomic(marker, best + "\n")
+    return best
+
+
+def publish_checkpoint(path, meta, keep, keep_best=False):
     """Rank 0, once every rank has written its files into staging_path(path): meta.json with
-    the file sizes, the atomic rename, `latest`, then pruning to the newest `keep`."""
+    the file sizes, the atomic rename, `latest`, `best` (mark_best), then pruning to the newest
+    `keep` and the best."""
     tmp, root, name = staging_path(path), os.path.dirname(path), os.path.basename(path)
     files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
              for d, _, fs in os.walk(tmp) for f in fs}
@@ -826,8 +942,9 @@ def publish_checkpoint(path, meta, keep):
     fsync_path(root)
     write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
     shutil.rmtree(path + ".old", ignore_errors=True)
+    best = mark_best(root, keep_best)
     for old in complete_checkpoints(root)[keep:]:
-        if old != name:
+        if old not in (name, best):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
@@ -954,7 +1071,9 @@ def load_resume_checkpoint(path, model, optimizer, scaler, cfg, topo, log):
 
 
 def checkpoint_weights(path):
-    """(kind, location) of the weights of a run dir, a step dir or a model.pt, for --init-from."""
+    """(kind, location) of the weights of a run dir, a step dir (or RUN/checkpoints/best or
+    latest) or a model.pt, for --init-from."""
+    path = follow_marker(path)
     if os.path.isfile(path):
         return "full", path
     if os.path.isdir(os.path.join(path, "checkpoints")):
@@ -1016,21 +1135,24 @@ def require_checkpoint_dir(path, flag, valid):
 
 
 def export_checkpoint(path):
-    """Sharded checkpoint -> the single-file model.pt beside it, in one process (no FSDP)."""
+    """Sharded checkpoint (or RUN/checkpoints/best or latest) -> the single-file model.pt beside
+    it, in one process (no FSDP)."""
+    path = follow_marker(path)
     require_checkpoint_dir(path, "--export", "a checkpoint directory such as RUN/checkpoints/step_N")
     meta = check_checkpoint(path)
     if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
         print(f"{path} already holds a consolidated model.pt")
         return os.path.join(path, "model.pt")
-    # Only the model's tensors, read by DCP in this one process (no_dist: no process group): the
-    # optimizer's two fp32 copies are never loaded or written (DCP's dcp_to_torch_save would).
+    # Only the model's tensors, read by DCP in this one process: the optimizer's two fp32 copies
+    # are never loaded or written (DCP's dcp_to_torch_save would). No process group exists here,
+    # so dcp.load reads as one process by itself (its no_dist flag is not in every release).
     reader = dcp.FileSystemReader(os.path.join(path, "dcp"))
     model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                    for key, md in reader.read_metadata().state_dict_metadata.items()
                    if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
+        warnings.filterwarnings("ignore", message="torch.distributed is")
+        dcp.load({"model": model_state}, storage_reader=reader)
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
@@ -1077,7 +1199,7 @@ def prepare_run_dir(cfg, rank):
         holds_run = (os.path.exists(config_path) or bool(complete_checkpoints(root))
                      or os.path.exists(os.path.join(root, "latest")))
         if c.resume not in ("auto", "never"):
-            resume = c.resume.rstrip("/")
+            resume = follow_marker(c.resume.rstrip("/"))
             require_checkpoint_dir(resume, "--resume", "auto, never or a checkpoint directory")
             meta = check_checkpoint(resume)
             old = meta["config"]
@@ -1243,10 +1365,11 @@ class Meter:
         return rec
 
 
-def log_summary(log, cfg, topo, plan, params):
+def log_summary(log, cfg, topo, plan, params, n_val):
     """Rank 0's start-up lines: where it runs, the strategy, the parameters (`params`: total and
-    trainable of the plain model, per_rank after wrapping), the batch layout, what is ignored."""
-    t, device = cfg.train, topo.device
+    trainable of the plain model, per_rank after wrapping), the batch layout, what is ignored, how
+    many validation rows (of n_val) each evaluation reads, what is saved and kept."""
+    t, c, device = cfg.train, cfg.checkpoint, topo.device
     headline, notes = describe_strategy(cfg)
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
@@ -1263,7 +1386,15 @@ def log_summary(log, cfg, topo, plan, params):
         log.line(f"MFU not reported: unknown bf16 peak for {torch.cuda.get_device_name(device)}")
     if t.debug:
         log.line(f"distributed debug level {dist.get_debug_level().name}, NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
-    log.line(f"run directory: {t.out_dir} | checkpoints: {cfg.checkpoint.checkpoint_type}")
+    rows = min(t.eval_samples, n_val)
+    log.line(f"evaluation: {f'every {t.eval_every} steps' if t.eval_every else 'at the end'}"
+             f"{' and at each save (--keep-best)' if c.keep_best else ''} | {rows:,} validation rows each, " +
+             ("the whole split" if rows == n_val else f"of {n_val:,} (--eval-samples {t.eval_samples})"))
+    saves = f"every {c.save_every} steps" if c.save_every else "at the end"
+    if c.save_every and c.async_save:
+        saves += " in the background (--async-save)"
+    log.line(f"run directory: {t.out_dir} | checkpoints: {c.checkpoint_type}, {saves}, keep the newest "
+             f"{c.keep_checkpoints}{' and the best' if c.keep_best else ''}")
 
 
 def start_profiler(cfg, rank):
@@ -1474,6 +1605,9 @@ def check_ranges(cfg):
 def check_config(cfg):
     """Every check the settings allow on their own, before anything is set up or written."""
     check_ranges(cfg)
+    if cfg.checkpoint.async_save and cfg.checkpoint.checkpoint_type != "sharded":
+        raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one file that rank 0 "
+                       "writes with torch.save)")
     try:
         model_lib.check_model_config(cfg.model, meta_init=cfg.fsdp.meta_init)
     except ValueError as e:
@@ -1571,7 +1705,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     elif c.init_from:
         init_weights_from(c.init_from, model)
         log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
-    log_summary(log, cfg, topo, plan, params)
+    log_summary(log, cfg, topo, plan, params, data.n_val)
 
     profiler = start_profiler(cfg, rank)
     stop_flag, previous_handlers = install_stop_handlers()
@@ -1583,6 +1717,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     # one endless line, and the log lines there carry the same numbers.
     bar = tqdm(total=plan.max_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(),
                dynamic_ncols=True, desc="train")
+    # --async-save: the background writer's collectives get a gloo group of their own (see start_async_save).
+    save_group = dist.new_group(backend="gloo") if c.async_save and c.save_every else None
+    pending, evaluated = None, None  # the background save under way; the step last evaluated
     val = {}
     if start_step >= plan.max_steps:  # every rank: evaluation is collective
         log.line(f"{run_dir} already finished at step {start_step} (max_steps {plan.max_steps}): nothing to train; "
@@ -1616,25 +1753,53 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 check_finite(first_bad)
                 log.step(meter.record(step + 1, totals, lr, grad_norm, tokens_seen), sorted(totals))
                 meter.reset()
-            if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+            if pending and async_save_done(pending, topo):  # publish a background save once all ranks wrote it
+                publish_everywhere(pending.path, pending.meta, c, topo)
+                log.line(f"saved {pending.path} in the background, {time.perf_counter() - pending.started:.1f} s "
+                         "after it was staged")
+                pending = None
+            save_due = (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final)
+            # --keep-best compares checkpoints by the validation loss of their step: a save is evaluated
+            # first (not a stop's: the time before the kill is short).
+            if (t.eval_every and (step + 1) % t.eval_every == 0) or last or (c.keep_best and save_due and
+                                                                             not stop.item()):
                 t0 = time.perf_counter()
                 val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
                 log.validation(step + 1, val)
+                evaluated = step + 1
                 meter.exclude(t0)  # keep evaluation out of the throughput
-            if (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final) or stop.item():
+            if save_due or stop.item():
                 check_finite(first_bad)  # never save a state that has seen a non-finite loss
                 t0 = time.perf_counter()
-                meta = checkpoint_meta(cfg, step + 1, tokens_seen, data.tokenizer_path, scaler, topo.world)
-                path = save_checkpoint(checkpoint_path(run_dir, step + 1), meta, model, optimizer, c, topo,
-                                       consolidate=last)
-                log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+                if pending:  # one background save at a time, published in order: wait for it
+                    async_save_done(pending, topo, wait=True)
+                    publish_everywhere(pending.path, pending.meta, c, topo)
+                    log.line(f"saved {pending.path} in the background; waited {time.perf_counter() - t0:.1f} s "
+                             "for its end")
+                    pending = None
+                meta = checkpoint_meta(cfg, step + 1, tokens_seen, data.tokenizer_path, scaler, topo.world,
+                                       val_loss=val["loss"] if evaluated == step + 1 else None)
+                path, t1 = checkpoint_path(run_dir, step + 1), time.perf_counter()
+                if c.async_save and not (last or stop.item()):  # a stop or the end: synchronous, below
+                    pending = start_async_save(path, meta, model, optimizer, topo, save_group)
+                    log.line(f"staged {path} in {time.perf_counter() - t1:.1f} s; writing it in the background")
+                else:
+                    save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=last)
+                    log.line(f"saved {path} in {time.perf_counter() - t1:.1f} s")
                 meter.exclude(t0)  # and saving
             if stop.item() and not last:
                 write_stopped(run_dir, step + 1, topo)
                 raise Preempted(f"{stop_reason(stop.item())} at step {step + 1}: checkpoint saved, "
                                 f"exiting with code {EXIT_PREEMPTED}; run the same command with --out-dir "
                                 f"{run_dir} to resume")
+        if pending:  # --no-save-final: the last background save is waited for and published
+            async_save_done(pending, topo, wait=True)
+            publish_everywhere(pending.path, pending.meta, c, topo)
+            log.line(f"saved {pending.path} in the background")
+            pending = None
     finally:
+        if pending:  # stopped by an error: let the write end before the process groups are destroyed
+            pending.future.exception()
         bar.close()
         if profiler:
             profiler.stop()
