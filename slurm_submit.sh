@@ -22,6 +22,7 @@
 #   HEAD_NODE, RDZV_PORT     rendezvous host and port; default: first node, a free port found there
 #   SHUTDOWN_TIMEOUT (110)   seconds torchrun waits for the workers' checkpoint after SIGTERM
 #   PYTHON (python3), VENV, CONDA_ENV, MODULES, OMP_NUM_THREADS, NCCL_DEBUG
+#   TORCH_FR_BUFFER_SIZE (2000)   flight recorder entries per rank (0 = off), dumped on a hang
 #
 # Preemption and the time limit: Slurm sends USR1 to this batch shell 120 s before the limit
 # (--signal=B:...); scancel --batch --signal=USR1 JOBID does the same by hand. The shell sends
@@ -119,6 +120,17 @@ echo "run directory: ${RUN_DIR}"
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1   turn a stuck collective into an error after the timeout
 #                                (the trainer's process-group timeout is 30 minutes)
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Hang diagnosis: PyTorch's flight recorder keeps each rank's last collectives in a ring buffer
+# and NCCL's watchdog dumps it into RUN_DIR/flight_recorder/rank_<r> when a collective times out
+# (the trainer's process-group timeout is 30 minutes); the README's "A run that hangs" says how
+# to read the dumps. The trainer makes the directory. TORCH_FR_BUFFER_SIZE=0 turns it off; the
+# TORCH_NCCL_* names are what releases before the TORCH_FR_* ones read.
+FR_PREFIX="$(realpath -m "${RUN_DIR}")/flight_recorder/rank_"
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-${TORCH_FR_BUFFER_SIZE}}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-${FR_PREFIX}}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-${TORCH_FR_DUMP_TEMP_FILE}}
 # After SIGTERM torchrun waits this long for its workers (to finish the step and save) before
 # SIGKILL. Newer torch reads it (torchrun --shutdown-timeout); older torch waits 30 s.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-110}

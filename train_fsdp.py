@@ -126,7 +126,8 @@ class TrainConfig:
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
     compile: bool = opt(False, "torch.compile the model (forces use_orig_params with FSDP)")
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
-    debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL and NCCL/gloo debug logging")
+    debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
+                      "(dumps into RUN_DIR/flight_recorder when a collective times out)")
 
 
 @dataclass
@@ -180,6 +181,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal, checkpoint saved
 STOPPED_FILE = "stopped.json"  # in the run directory after an exit with code 3; removed at the next start
+FR_ENTRIES = 2000  # collectives each rank's flight recorder keeps (--debug; slurm_submit.sh sets its own)
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
 # state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
@@ -297,6 +299,10 @@ def setup_distributed(cfg):
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env.setdefault("NCCL_DEBUG", "INFO")
         dist.set_debug_level_from_env()
+        # The flight recorder is read when the process group is made, so it is set here (a value
+        # already in the environment, e.g. from slurm_submit.sh, wins).
+        for name, value in flight_recorder_env(cfg.train.out_dir or "runs").items():
+            env.setdefault(name, value)
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible "
@@ -320,6 +326,26 @@ def setup_distributed(cfg):
     control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world, device=device,
                     backend=backend, owner=owner, control=control)
+
+
+def flight_recorder_env(run_dir):
+    """PyTorch's flight recorder, for hangs: every rank keeps its last FR_ENTRIES collectives in a
+    ring buffer, and NCCL's watchdog writes it to RUN_DIR/flight_recorder/rank_<r> when a
+    collective times out (after the process group's 30 minutes). Read them with
+    `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder` (README).
+    Both names of each setting: releases before the TORCH_FR_* names read the TORCH_NCCL_* ones."""
+    prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
+    return {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_ENTRIES),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def flight_recorder_dumps():
+    """The path prefix of the flight recorder's dump files when it is on (set by --debug or
+    slurm_submit.sh), else None."""
+    if os.environ.get("TORCH_FR_BUFFER_SIZE", "0") in ("", "0"):
+        return None
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None
 
 
 def hybrid_shard_size(cfg, topo):
@@ -1233,6 +1259,8 @@ def prepare_run_dir(cfg, rank):
                                "directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
         os.makedirs(run_dir, exist_ok=True)
+        if flight_recorder_dumps():  # the flight recorder's dumps need their directory
+            os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
         if os.path.exists(os.path.join(run_dir, STOPPED_FILE)):
             os.remove(os.path.join(run_dir, STOPPED_FILE))
         start = meta["step"] if resume else 0
@@ -1386,6 +1414,9 @@ def log_summary(log, cfg, topo, plan, params, n_val):
         log.line(f"MFU not reported: unknown bf16 peak for {torch.cuda.get_device_name(device)}")
     if t.debug:
         log.line(f"distributed debug level {dist.get_debug_level().name}, NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
+    if flight_recorder_dumps():
+        log.line(f"flight recorder: the last {os.environ['TORCH_FR_BUFFER_SIZE']} collectives per rank, dumped on "
+                 f"a collective timeout (NCCL) to {flight_recorder_dumps()}<rank>")
     rows = min(t.eval_samples, n_val)
     log.line(f"evaluation: {f'every {t.eval_every} steps' if t.eval_every else 'at the end'}"
              f"{' and at each save (--keep-best)' if c.keep_best else ''} | {rows:,} validation rows each, " +

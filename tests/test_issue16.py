@@ -1,8 +1,8 @@
 """Issue 16 on CPU: --keep-best (checkpoints/best survives keep-K pruning and resumes, and
 sample.py, --init-from and --export accept it), --async-save (a background write killed with
 SIGKILL leaves the previous checkpoint as latest and the run resumes exactly; a background write
-that fails stops every rank with one line, exit 1). The per-epoch text windows are tested on
-the Dataset in tests/test_data.py.
+that fails stops every rank with one line, exit 1), and the flight recorder of --debug and
+slurm_submit.sh. The per-epoch text windows are tested on the Dataset in tests/test_data.py.
 
 Runs go through this file's own __main__, which patches the trainer before running it:
 `runs SPEC.json` runs several trainings in one process with scripted validation losses (so
@@ -55,11 +55,11 @@ def listing(run_dir):
 
 @pytest.fixture(scope="module")
 def best_runs(tmp_path_factory):
-    """One process, three trainings: a run whose validation loss is lowest at step 2, kept past
+    """One process, four trainings: a run whose validation loss is lowest at step 2, kept past
     pruning (keep 2); its resume to step 7 (worse: step 2 stays best); its resume to step 8 (a
-    new best). Copies of the run directory are kept after the first two."""
+    new best); a --debug run. The checkpoint listing is recorded after each."""
     tmp = tmp_path_factory.mktemp("best")
-    run = str(tmp / "run")
+    run, dbg = str(tmp / "run"), str(tmp / "debug")
     base = TINY + ["--cache-dir", str(tmp / "cache"), "--synthetic-val-samples", "16"]
     keep = ["--out-dir", run, "--save-every", "1", "--keep-checkpoints", "2", "--keep-best"]
     spec = [
@@ -67,13 +67,15 @@ def best_runs(tmp_path_factory):
          "copy": str(tmp / "after6")},
         {"argv": base + keep + ["--max-steps", "7"], "val": {7: 9.0}, "copy": str(tmp / "after7")},
         {"argv": base + keep + ["--max-steps", "8"], "val": {8: 1.5}},
+        {"argv": base + ["--out-dir", dbg, "--max-steps", "1", "--debug"], "val": None},
     ]
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, THIS, "runs", str(spec_file)], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"run": run, "after6": str(tmp / "after6"), "after7": str(tmp / "after7")}
+    return {"run": run, "after6": str(tmp / "after6"), "after7": str(tmp / "after7"), "debug": dbg,
+            "env": json.loads((tmp / "debug_env.json").read_text())}
 
 
 def test_best_checkpoint_survives_pruning_and_resume(best_runs):
@@ -216,6 +218,33 @@ def test_async_save_needs_sharded_checkpoints(tmp_path):
 
 
 # =============================================================================================
+# Flight recorder
+
+
+def test_debug_sets_the_flight_recorder_before_the_process_group(best_runs):
+    dumps = os.path.join(os.path.abspath(best_runs["debug"]), "flight_recorder", "rank_")
+    assert best_runs["env"] == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dumps,
+                                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dumps}
+    assert os.path.isdir(os.path.dirname(dumps))
+    with open(os.path.join(best_runs["debug"], "training_log.txt")) as fh:
+        assert f"flight recorder: the last 2000 collectives per rank, dumped on a collective timeout (NCCL) to " \
+               f"{dumps}<rank>" in fh.read()
+
+
+def test_slurm_submit_turns_the_flight_recorder_on_into_the_run_directory():
+    with open(os.path.join(ROOT, "slurm_submit.sh")) as fh:
+        script = fh.read()
+    srun = script.index("\nsrun ")
+    for line in ('export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}',
+                 'export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}',
+                 'FR_PREFIX="$(realpath -m "${RUN_DIR}")/flight_recorder/rank_"',
+                 'export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-${FR_PREFIX}}'):
+        assert 0 < script.index(line) < srun, line
+    assert script.index("RUN_DIR=${RUN_DIR:-") < script.index("FR_PREFIX=")
+
+
+# =============================================================================================
 # The patched trainer (run as a script by the tests above)
 
 
@@ -226,7 +255,7 @@ def scripted_runs(spec_file):
     with open(spec_file) as fh:
         spec = json.load(fh)
     now = {"step": 0, "val": None}
-    real_lr_at, real_evaluate = train_fsdp.lr_at, train_fsdp.evaluate
+    real_lr_at, real_evaluate, real_init = train_fsdp.lr_at, train_fsdp.evaluate, train_fsdp.dist.init_process_group
 
     def lr_at(step, *args):  # called once per step, with the step about to be trained
         now["step"] = step + 1
@@ -236,9 +265,17 @@ def scripted_runs(spec_file):
         val = real_evaluate(*args)
         return val if now["val"] is None else {**val, "loss": now["val"][str(now["step"])]}
 
-    train_fsdp.lr_at, train_fsdp.evaluate = lr_at, evaluate
+    def init_process_group(*args, **kwargs):  # what the flight recorder reads, as the group is made
+        names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+        if "--debug" in now["argv"]:
+            out = os.path.join(os.path.dirname(now["argv"][now["argv"].index("--out-dir") + 1]), "debug_env.json")
+            with open(out, "w") as fh:
+                json.dump({n: os.environ.get(n) for n in names}, fh)
+        return real_init(*args, **kwargs)
+    train_fsdp.lr_at, train_fsdp.evaluate, train_fsdp.dist.init_process_group = lr_at, evaluate, init_process_group
     for run in spec:
-        now["val"] = run["val"]
+        now["val"], now["argv"] = run["val"], run["argv"]
         train_fsdp.main(run["argv"])
         if run.get("copy"):
             shutil.copytree(run["argv"][run["argv"].index("--out-dir") + 1], run["copy"])
