@@ -16,10 +16,12 @@ wrap unit and the activation-checkpointing unit). main() takes each as an argume
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -40,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
+    CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
@@ -53,10 +56,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy, size_based_auto_wrap_policy
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -102,12 +114,15 @@ class FSDPConfig:
 class TrainConfig:
     preset: str = opt("", "named setting bundle; individual flags override it",
                       ["", "single_node_fsdp", "multi_node_fsdp", "large_scale_fsdp", "ddp"])
-    strategy: str = opt("fsdp", "data parallelism", ["fsdp", "ddp", "none"])
+    strategy: str = opt("fsdp", "data parallelism: fsdp (FSDP1, FullyShardedDataParallel), fsdp2 (fully_shard), ddp, "
+                        "none (one process)", ["fsdp", "fsdp2", "ddp", "none"])
     seed: int = opt(1337, "seed for init, data order and sampling")
     global_batch: int = opt(64, "sequences per optimizer step, over all ranks and micro-batches")
     micro_batch: int = opt(0, "sequences per rank per forward; 0 = global_batch / world_size")
-    grad_accum_mode: str = opt("no_sync", "no_sync: reduce once per step (full-size grads held); sync: reduce "
-                               "every micro-batch (less memory, more traffic)", ["no_sync", "sync"])
+    grad_accum_mode: str = opt("auto", "auto: sync under fsdp, no_sync otherwise (both accumulate in reduce_dtype); "
+                               "no_sync: reduce once per step (full-size grads held; FSDP1 accumulates them in "
+                               "param_dtype: in bf16 ~2x the gradient error of sync at 32 micro-batches); sync: reduce "
+                               "every micro-batch (less memory, more traffic)", ["auto", "no_sync", "sync"])
     max_steps: int = opt(0, "optimizer steps; 0 = derived from --epochs")
     epochs: float = opt(1.0, "passes over the training set when --max-steps is 0")
     lr: float = opt(1e-3, "peak learning rate")
@@ -124,7 +139,8 @@ class TrainConfig:
     skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf instead of stopping")
     out_dir: str = opt("", "run directory; empty = runs/<arch>-<date-time>")
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
-    compile: bool = opt(False, "torch.compile the model (forces use_orig_params with FSDP)")
+    compile: bool = opt(False, "torch.compile the model (fsdp: the wrapped model, forces use_orig_params; fsdp2: "
+                        "each block before sharding)")
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
                       "(dumps into RUN_DIR/flight_recorder when a collective times out)")
@@ -176,6 +192,8 @@ PRESETS = {
 FSDP_ONLY = {"sharding_strategy", "hybrid_shard_size", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
              "use_orig_params", "cpu_offload", "sync_module_states", "auto_wrap", "min_num_params", "reduce_dtype",
              "buffer_dtype"}
+# FSDP1 settings FSDP2 has no form for: said, not refused, when changed from the default.
+FSDP2_IGNORED = {"backward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "buffer_dtype"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -386,51 +404,136 @@ def any_rank_error(error, topo):
 
 
 def device_mesh(cfg, topo):
-    """HYBRID_SHARD*: shard inside a group of `shard` processes (a node), replicate across
-    groups. An explicit mesh, because FSDP's default guesses the node size from the GPU count.
-    None where the default process group is the whole story."""
-    if cfg.train.strategy == "fsdp" and "HYBRID" in cfg.fsdp.sharding_strategy:
+    """FSDP1 and FSDP2 shard over an explicit device mesh: 1-D over all processes, or for
+    HYBRID_SHARD* 2-D, sharded inside a group of `shard` processes (a node) and replicated across
+    groups (FSDP1's default would guess the node size from the GPU count). Given a mesh, FSDP1's
+    state dicts hold DTensors like FSDP2's (without one, ShardedTensors). None for ddp and none."""
+    if cfg.train.strategy not in ("fsdp", "fsdp2"):
+        return None
+    if "HYBRID" in cfg.fsdp.sharding_strategy:
         shard = hybrid_shard_size(cfg, topo)
         return init_device_mesh(topo.device.type, (topo.world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return None
+    return init_device_mesh(topo.device.type, (topo.world,), mesh_dim_names=("shard",))
+
+
+def shard_units(model, wrap_classes, cfg):
+    """The modules that become FSDP units, children before parents (the root holds the rest),
+    for FSDP1 and FSDP2 alike. --auto-wrap module / lambda: the block classes (wrap_classes);
+    size: bottom-up, a module whose parameters not yet in a unit number at least --min-num-params
+    (ModuleList / ModuleDict excepted, as FSDP1's size policy does). A module that shares a
+    parameter with a module outside it (a tied embedding and LM head) is never a unit: both
+    stay in the root's unit, where one gather serves both."""
+    f = cfg.fsdp
+    holders = {}  # parameter -> the modules that hold it directly
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(p, []).append(m)
+    units, taken = [], set()
+
+    def visit(m):
+        for child in m.children():
+            visit(child)
+        if m is model:
+            return
+        if f.auto_wrap == "size":
+            free = sum(p.numel() for p in m.parameters() if p not in taken)
+            chosen = free >= f.min_num_params and not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        else:
+            chosen = isinstance(m, tuple(wrap_classes))
+        inside = set(m.modules())
+        if chosen and all(h in inside for p in m.parameters() for h in holders[p]):
+            units.append(m)
+            taken.update(m.parameters())
+    visit(model)
+    return units
+
+
+def init_order(model, units):
+    """The modules in the order FSDP1 materialises a meta-device model: unit by unit (children
+    first), breadth-first inside each down to the next unit, then the root's own modules. Every
+    strategy initialises a --meta-init model in this order, so all give the same weights."""
+    unit_set, order, seen = set(units), [], set()
+    for top in units + [model]:
+        queue = collections.deque([top])
+        while queue:
+            m = queue.popleft()
+            order.append(m)
+            for child in m.children():
+                if child not in unit_set and child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+    return order
+
+
+@torch.no_grad()
+def init_weights(order, init_fn):
+    """--meta-init outside FSDP1 (whose param_init_fn does the same), after to_empty: run each
+    module's initialisation (init_fn(module), else its reset_parameters) in `order`. A sharded
+    (DTensor) parameter is initialised as a full-size tensor of which each rank keeps its shard,
+    so the weights do not depend on the world size: one parameter at a time is held in full."""
+    for m in order:
+        if not any(True for _ in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))):
+            continue
+        own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)}
+        full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device) for n, p in own.items()}
+        try:
+            for n, t in full.items():
+                m._parameters[n] = torch.nn.Parameter(t, requires_grad=own[n].requires_grad)
+            if init_fn is not None:
+                init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        finally:
+            m._parameters.update(own)
+        for n, p in own.items():
+            p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """The model on its device as FSDP units, DDP or plain; then activation checkpointing of
-    every ac_every-th block, then torch.compile."""
-    f, device = cfg.fsdp, topo.device
+    """The model on its device as FSDP1 or FSDP2 units (shard_units), DDP or plain, with
+    activation checkpointing of every ac_every-th block and torch.compile. A model built on the
+    meta device (--meta-init) is materialised and initialised here (init_fn: the model's
+    per-module initialisation)."""
+    f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
-    if cfg.train.strategy == "fsdp":
-        model = FSDP(model, **fsdp_kwargs(cfg, wrap_classes, topo, init_fn))
-    elif cfg.train.strategy == "ddp":
-        # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
-        model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+    units = shard_units(model, wrap_classes, cfg)
+    if strategy == "fsdp2":
+        return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
+    if strategy == "fsdp":
+        model = FSDP(model, **fsdp_kwargs(cfg, units, topo, init_fn))
     else:
-        model = model.to(device)
+        if any(p.is_meta for p in model.parameters()):  # --meta-init that resolve_strategy made DDP
+            order = init_order(model, units)
+            model.to_empty(device=device)
+            init_weights(order, init_fn)
+        if strategy == "ddp":
+            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+            model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        else:
+            model = model.to(device)
     if f.activation_checkpointing:
-        # Non-reentrant: the reentrant variant fires FSDP's post-backward hooks twice.
-        chosen = set(blocks[::f.ac_every])
-        apply_activation_checkpointing(
-            model, check_fn=lambda m: m in chosen,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        checkpoint_blocks(model, blocks[::f.ac_every])
     if cfg.train.compile:
         model = torch.compile(model)
     return model
 
 
-def fsdp_kwargs(cfg, wrap_classes, topo, init_fn):
+def checkpoint_blocks(model, chosen):
+    """Non-reentrant checkpoint_wrapper around the `chosen` blocks (the reentrant variant fires
+    FSDP's post-backward hooks twice); returns {block: its wrapper}."""
+    chosen = set(chosen)
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: m in chosen,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return {w._checkpoint_wrapped_module: w for w in model.modules() if isinstance(w, CheckpointWrapper)}
+
+
+def fsdp_kwargs(cfg, units, topo, init_fn):
     f = cfg.fsdp
-    if f.auto_wrap == "module":
-        policy = ModuleWrapPolicy(wrap_classes)
-    elif f.auto_wrap == "lambda":
-        # The predicate is where a custom rule goes (e.g. also wrap large embeddings).
-        policy = functools.partial(lambda_auto_wrap_policy,
-                                   lambda_fn=lambda m: isinstance(m, tuple(wrap_classes)))
-    else:
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=f.min_num_params)
+    chosen = set(units)
     kw = dict(
-        auto_wrap_policy=policy,
+        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in chosen),
         sharding_strategy=ShardingStrategy[f.sharding_strategy],
         mixed_precision=MixedPrecision(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
                                        buffer_dtype=DTYPES[f.buffer_dtype]),
@@ -442,9 +545,8 @@ def fsdp_kwargs(cfg, wrap_classes, topo, init_fn):
         sync_module_states=f.sync_module_states,
         # On CPU FSDP1 needs device_id=cpu, otherwise it asks for an accelerator.
         device_id=topo.device,
+        device_mesh=topo.mesh,
     )
-    if topo.mesh is not None:
-        kw["device_mesh"] = topo.mesh
     if f.meta_init:
         device = topo.device
 
@@ -459,34 +561,108 @@ def fsdp_kwargs(cfg, wrap_classes, topo, init_fn):
     return kw
 
 
+def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
+    """FSDP2. Activation checkpointing, then torch.compile of each block (torchtitan's order),
+    then fully_shard on each unit bottom-up and on the root. FULL_SHARD and HYBRID_SHARD reshard
+    after forward (the root too, as FSDP1 does), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep the
+    gathered parameters until backward. A meta-device model is sharded on the meta device, then
+    allocated (to_empty) and initialised (init_weights)."""
+    f = cfg.fsdp
+    order = init_order(model, units)  # before the wrappers below change the module tree
+    outer = {b: b for b in blocks}  # the outermost module standing for each block
+    if f.activation_checkpointing:
+        outer.update(checkpoint_blocks(model, blocks[::f.ac_every]))
+    if cfg.train.compile:
+        parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
+        for b in blocks:
+            parent, name = parents[outer[b]]
+            outer[b] = torch.compile(outer[b])
+            parent.register_module(name, outer[b])
+    kw = dict(mesh=topo.mesh, reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+              mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype]))
+    if f.cpu_offload:  # pinned host memory needs a GPU
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+    sharded = [outer.get(u, u) for u in units]
+    for m in sharded:
+        fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu" if f.cpu_offload else topo.device)
+        init_weights(order, init_fn)
+    if f.forward_prefetch:
+        forward_prefetch_in_run_order(model, sharded)
+    return model
+
+
+def forward_prefetch_in_run_order(root, units):
+    """--forward-prefetch under FSDP2: each unit issues the next one's all-gather in forward
+    (set_modules_to_forward_prefetch). The order is the first forward's, recorded by hooks that
+    then remove themselves: the Free Transformer runs its latent sampler between two blocks."""
+    order, handles = [], []
+
+    def ran(module, args):
+        if module not in order:
+            order.append(module)
+
+    def done(module, args, output):
+        for h in handles:
+            h.remove()
+        for a, b in zip(order, order[1:]):
+            a.set_modules_to_forward_prefetch([b])
+    handles += [m.register_forward_pre_hook(ran) for m in [root] + units]
+    handles.append(root.register_forward_hook(done))
+
+
+def local_parameter_count(model):
+    """Parameters held by this rank (a DTensor's numel is its global size)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def gradient_sync(model, cfg, last):
     """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
     reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync.
-    Between reductions FSDP1 and DDP hold full-size gradients, in param_dtype."""
+    Between reductions FSDP1 holds full-size gradients in param_dtype, DDP in fp32 and FSDP2
+    in reduce_dtype."""
     if last or cfg.train.grad_accum_mode == "sync" or cfg.train.strategy == "none":
         return contextlib.nullcontext()
+    if cfg.train.strategy == "fsdp2":
+        return fsdp2_no_sync(model)
     return model.no_sync()
 
 
 def clip_gradients(model, cfg):
-    """Global gradient norm (and clipping when --grad-clip > 0). FSDP must use its own
-    clip_grad_norm_: torch.nn.utils' version only sees this rank's shard."""
+    """Global gradient norm (and clipping when --grad-clip > 0). FSDP1 must use its own
+    clip_grad_norm_: torch.nn.utils' version only sees this rank's shard. Under FSDP2 the
+    gradients are DTensors and torch.nn.utils' norm is a DTensor: its full value is the global
+    norm (its local one only this rank's)."""
     limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     if cfg.train.strategy == "fsdp":
         return model.clip_grad_norm_(limit)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def precision_context(cfg, device):
-    """FSDP casts through MixedPrecision; DDP and one device use autocast for the same dtype."""
+    """FSDP1 and FSDP2 cast through their mixed-precision policies; DDP and one device use
+    autocast for the same dtype."""
     dtype = DTYPES[cfg.fsdp.param_dtype]
-    if cfg.train.strategy == "fsdp" or dtype == torch.float32:
+    if cfg.train.strategy in ("fsdp", "fsdp2") or dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
 
 def grad_scaler(cfg, device):
-    """fp16 needs loss scaling (None for bf16 and fp32); FSDP's scaler sees overflow in any shard."""
+    """fp16 needs loss scaling (None for bf16 and fp32). FSDP1's scaler sees overflow in any
+    shard; under FSDP2 the amp scaler does, through DTensor (it all-reduces found_inf)."""
     if cfg.fsdp.param_dtype != "fp16":
         return None
     if cfg.train.strategy == "fsdp":
@@ -495,11 +671,11 @@ def grad_scaler(cfg, device):
 
 
 def state_dict_options(purpose, device=None):
-    """Options of the consolidated (full) state dicts; the DCP helpers serve FSDP, DDP and one
-    device alike. "save": gathered to rank 0 on CPU (cpu_offload); a CPU-only run skips the
-    offload: FSDP1 then frees the gathered storage before cloning it (a segfault, seen on torch
-    2.13 with gloo), so every rank gathers instead. "load": every rank reads the whole file.
-    "init" (--init-from): keys the model does not have are left out."""
+    """Options of the consolidated (full) state dicts; the DCP helpers serve FSDP1, FSDP2, DDP
+    and one device alike. "save": gathered to rank 0 on CPU (cpu_offload); a CPU-only run skips
+    the offload: FSDP1 then frees the gathered storage before cloning it (a segfault, seen on
+    torch 2.13 with gloo), so every rank gathers instead. "load": every rank reads the whole
+    file. "init" (--init-from): keys the model does not have are left out."""
     if purpose == "save":
         return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
     return StateDictOptions(full_state_dict=True, strict=purpose != "init")
@@ -509,9 +685,16 @@ def check_strategy(cfg, topo=None):
     """What each strategy accepts: called with the settings alone (before anything is set up),
     then again with the topology (world size and device)."""
     t, f = cfg.train, cfg.fsdp
-    if f.meta_init and t.strategy != "fsdp":
-        raise BadInput(f"--meta-init needs --strategy fsdp (got {t.strategy})")
-    if t.strategy == "fsdp":
+    if f.meta_init and t.strategy not in ("fsdp", "fsdp2"):
+        raise BadInput(f"--meta-init needs --strategy fsdp or fsdp2 (got {t.strategy})")
+    if t.strategy in ("fsdp", "fsdp2"):
+        if topo and "HYBRID" in f.sharding_strategy and topo.world % hybrid_shard_size(cfg, topo):
+            raise BadInput(f"--hybrid-shard-size {hybrid_shard_size(cfg, topo)} must divide the world size "
+                           f"{topo.world}")
+    if t.strategy == "fsdp2":
+        if f.sharding_strategy == "NO_SHARD":
+            raise BadInput("--sharding-strategy NO_SHARD has no FSDP2 form (it is replication): use --strategy ddp")
+    elif t.strategy == "fsdp":
         if f.cpu_offload and t.grad_accum_mode == "sync":
             raise BadInput("--grad-accum-mode sync with --cpu-offload: FSDP overwrites instead of accumulating "
                            "offloaded gradients outside no_sync; use --grad-accum-mode no_sync")
@@ -521,9 +704,6 @@ def check_strategy(cfg, topo=None):
         if topo and topo.device.type == "cpu" and f.sync_module_states:
             raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; on CPU "
                            "every rank already builds the same weights from --seed")
-        if topo and "HYBRID" in f.sharding_strategy and topo.world % hybrid_shard_size(cfg, topo):
-            raise BadInput(f"--hybrid-shard-size {hybrid_shard_size(cfg, topo)} must divide the world size "
-                           f"{topo.world}")
     elif t.strategy == "none":
         if f.reduce_dtype == "fp16" and f.param_dtype != "fp16":
             raise BadInput("--reduce-dtype fp16 without --param-dtype fp16 has no meaning here")
@@ -535,20 +715,27 @@ def check_strategy(cfg, topo=None):
 def resolve_strategy(cfg, topo):
     """The strategy's part of resolve_config: settings it needs changed, said on rank 0."""
     t, f = cfg.train, cfg.fsdp
-    if t.strategy != "fsdp":
-        return
-    if "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1 and topo.world > 1:
-        # One process per shard group is pure replication. FSDP1 would turn the group into
-        # NO_SHARD and then skip the all-reduce across replicas (seen on torch 2.13): the
-        # replicas would silently diverge. NO_SHARD over everyone computes what was asked.
+
+    def say(line):
         if topo.rank == 0:
-            print(f"{f.sharding_strategy} with 1 process per shard group is pure replication: "
-                  "using NO_SHARD across all processes")
-        f.sharding_strategy = "NO_SHARD"
-    if t.compile and not f.use_orig_params:
+            print(line)
+    if t.strategy in ("fsdp", "fsdp2") and "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1 \
+            and topo.world > 1:
+        # One process per shard group is pure replication, which is DDP's job. (FSDP1 would turn
+        # the group into NO_SHARD and then skip the all-reduce across replicas, seen on torch
+        # 2.13: the replicas would silently diverge.)
+        say(f"{f.sharding_strategy} with 1 process per shard group is pure replication: using DDP "
+            "(--strategy ddp) across all processes")
+        t.strategy = "ddp"
+    if t.grad_accum_mode == "auto":
+        # FSDP1's no_sync accumulates in param_dtype; syncing every micro-batch accumulates the
+        # sharded gradient in reduce_dtype. FSDP2 and DDP accumulate in reduce_dtype / fp32 anyway.
+        t.grad_accum_mode = "sync" if t.strategy == "fsdp" and not f.cpu_offload else "no_sync"
+        if t.strategy == "fsdp" and f.cpu_offload and f.param_dtype != f.reduce_dtype:
+            say(f"--cpu-offload: accumulating with no_sync (FSDP1 offload allows no other), in {f.param_dtype}")
+    if t.strategy == "fsdp" and t.compile and not f.use_orig_params:
         f.use_orig_params = True
-        if topo.rank == 0:
-            print("--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
+        say("--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
 
 
 def describe_strategy(cfg):
@@ -556,6 +743,8 @@ def describe_strategy(cfg):
     settings that have no effect under it."""
     t, f = cfg.train, cfg.fsdp
     notes = []
+    defaults = dataclasses.asdict(FSDPConfig())
+    changed = {k: v for k, v in dataclasses.asdict(f).items() if v != defaults[k]}
     if t.strategy == "fsdp":
         headline = (f"strategy fsdp {f.sharding_strategy} wrap={f.auto_wrap} prefetch={f.backward_prefetch} | "
                     f"dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}")
@@ -563,10 +752,20 @@ def describe_strategy(cfg):
             notes.append("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them "
                          "(norm weights too); pass --use-orig-params to exempt 1-D weights")
         return headline, notes
+    if t.strategy == "fsdp2":
+        reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}) wrap={f.auto_wrap}"
+                    f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
+                    f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}")
+        ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in FSDP2_IGNORED]
+        if ignored:
+            notes.append(f"with --strategy fsdp2 these FSDP1 settings have no effect: {', '.join(ignored)} (FSDP2 "
+                         "prefetches the next unit in backward, keeps the original parameters, needs no all-gather "
+                         "limit, has no buffer dtype; every rank builds the same weights from --seed)")
+        return headline, notes
     headline = f"strategy {t.strategy} | autocast {f.param_dtype} (reduce/buffer dtypes apply to FSDP only)"
     # Said, not refused: a config written for FSDP may be rerun as DDP to compare.
-    defaults = dataclasses.asdict(FSDPConfig())
-    ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items() if k in FSDP_ONLY and v != defaults[k]]
+    ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in FSDP_ONLY]
     if ignored:
         notes.append(f"with --strategy {t.strategy} these FSDP settings have no effect: {', '.join(ignored)}")
     return headline, notes
@@ -1640,7 +1839,8 @@ def check_config(cfg):
         raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one file that rank 0 "
                        "writes with torch.save)")
     try:
-        model_lib.check_model_config(cfg.model, meta_init=cfg.fsdp.meta_init)
+        # The tied-embedding rule is FSDP1's: it materialises a meta-device model module by module.
+        model_lib.check_model_config(cfg.model, meta_init=cfg.fsdp.meta_init and cfg.train.strategy == "fsdp")
     except ValueError as e:
         raise BadInput(str(e))
     check_strategy(cfg)
@@ -1718,7 +1918,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     flops_tok = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * params["total"]
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
-    dist.all_gather_object(params["per_rank"], sum(p.numel() for p in model.parameters()))
+    dist.all_gather_object(params["per_rank"], local_parameter_count(model))
     torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, decay_names)
     scaler = grad_scaler(cfg, topo.device)

@@ -7,7 +7,10 @@ RUNS.json maps a run name to a list of train_fsdp.py arguments; each run writes 
 With RECORD_COMMS=1 in the environment, every rank also writes OUT_DIR/comms_rank{r}.json: per
 optimizer step, the gradient reductions it issued (FSDP's reduce-scatters and all-reduces, with
 their dtypes; DDP's bucket all-reduces, counted by a comm hook that runs torch's averaging
-allreduce_hook). The FSDP wrappers only count: the tensors and the collectives are the same.
+allreduce_hook) and the parameter all-gathers. The wrappers only count: the tensors and the
+collectives are the same. It also writes OUT_DIR/wrap_rank{r}.json at the end of the run: the
+FSDP units (name in the unwrapped model, class of the sharded module), the tensor types of the
+model's state dict, and FSDP2's forward-prefetch pairs.
 """
 import collections
 import functools
@@ -17,12 +20,17 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
 
-# The collectives FSDP1 reduces gradients with (reduce_scatter_single is torch 2.13's name).
-COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+# The collectives FSDP1 and FSDP2 reduce gradients and gather parameters with
+# (reduce_scatter_single and all_gather_single are torch 2.13's names).
+COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_gather_single",
+           "all_gather_into_tensor")
 
 
 class CommRecorder:
@@ -33,6 +41,7 @@ class CommRecorder:
         self.current = collections.Counter()
         self.dtypes = collections.defaultdict(set)
         self.steps = []
+        self.model = None
 
     def note(self, op, tensor):
         self.current[op] += 1
@@ -56,6 +65,7 @@ class CommRecorder:
 
         def recording_wrap_model(*args, **kwargs):
             model = wrap_model(*args, **kwargs)
+            self.model = model
             ddp = getattr(model, "_orig_mod", model)
             if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -79,7 +89,28 @@ class CommRecorder:
         out_dir = argv[argv.index("--out-dir") + 1]
         with open(os.path.join(out_dir, f"comms_rank{rank}.json"), "w") as fh:
             json.dump(self.steps, fh)
-        self.steps = []
+        with open(os.path.join(out_dir, f"wrap_rank{rank}.json"), "w") as fh:
+            json.dump(wrap_record(self.model), fh)
+        self.steps, self.model = [], None
+
+
+def wrap_record(model):
+    """FSDP units as [name, class of the sharded module], the types of the state dict's tensors,
+    FSDP2's forward-prefetch pairs [unit, the unit it prefetches]."""
+    model = getattr(model, "_orig_mod", model)
+    names = {m: train_fsdp.unwrapped_name(n + ".").rstrip(".") for n, m in model.named_modules()}
+    units, prefetch = [], []
+    for m, name in names.items():
+        if isinstance(m, FSDP):
+            units.append([name, type(m.module).__name__])
+        elif isinstance(m, FSDPModule):
+            units.append([name, type(m).__bases__[1].__name__])  # FSDP2 makes class FSDP<X>(FSDPModule, X)
+    by_state = {m._get_fsdp_state(): name for m, name in names.items() if isinstance(m, FSDPModule)}
+    for m, name in names.items():
+        if isinstance(m, FSDPModule):
+            prefetch += [[name, by_state[s]] for s in m._get_fsdp_state()._states_to_forward_prefetch]
+    types = sorted({type(v).__name__ for v in get_model_state_dict(model).values()})
+    return {"units": units, "state_dict": types, "forward_prefetch": prefetch}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Equivalence on CPU with gloo: FSDP on N processes, DDP and one process give the same losses
-on the same global batch (fp32, 1e-5 relative), for every sharding strategy, wrap policy,
-accumulation layout and mode, activation checkpointing and the other FSDP knobs.
+"""Equivalence on CPU with gloo: FSDP1, FSDP2 (--strategy fsdp2) and DDP on N processes and one
+process give the same losses on the same global batch (fp32, 1e-5 relative), for every sharding
+strategy, wrap policy, accumulation layout and mode, activation checkpointing and the other FSDP
+knobs.
 
 Each launch runs many short trainings inside one process group (tests/dist_driver.py), so
 torch starts once per process, not once per run. The launches here also record, per step, the
@@ -34,6 +35,8 @@ TINY = ["--arch", "baseline", "--n-layer", "2", "--d-model", "32", "--n-head", "
 GQA_TIED = ["--n-kv-head", "1", "--tie-embeddings"]  # grouped-query attention and tied embeddings
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 WRAPS = [["--auto-wrap", "module"], ["--auto-wrap", "lambda"], ["--auto-wrap", "size", "--min-num-params", "2000"]]
+FSDP2 = ["--strategy", "fsdp2"]
+FREE = ["--arch", "free", "--latent-bits", "4"]
 VAL_ROWS = 11  # validation rows of the val11 runs: 2 ranks x micro 4 leave rank 1 none in the last chunk
 
 
@@ -152,6 +155,29 @@ def two(tmp_path_factory):
         "val11": ["--eval-samples", str(VAL_ROWS), "--eval-every", "2"],
         "fp16": ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],
         "fp16_ddp": ["--param-dtype", "fp16", "--strategy", "ddp"],
+        # FSDP2
+        "fsdp2-FULL_SHARD": FSDP2,
+        "fsdp2-SHARD_GRAD_OP": FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"],
+        "fsdp2-size": FSDP2 + WRAPS[2],
+        "fsdp2_accum_no_sync": FSDP2 + ["--micro-batch", "2", "--grad-accum-mode", "no_sync"],
+        "fsdp2_accum_sync": FSDP2 + ["--micro-batch", "2", "--grad-accum-mode", "sync"],
+        "fsdp2_accum_sync_zero2": FSDP2 + ["--micro-batch", "1", "--grad-accum-mode", "sync", "--sharding-strategy",
+                                           "SHARD_GRAD_OP"],
+        "fsdp2_ac": FSDP2 + ["--activation-checkpointing", "--ac-every", "2", "--micro-batch", "2"],
+        "fsdp2_meta": FSDP2 + ["--meta-init"],
+        # A size rule that would make the tied embedding a unit of its own: it stays in the root's.
+        "fsdp2_gqa_tied": FSDP2 + GQA_TIED + ["--auto-wrap", "size", "--min-num-params", "100"],
+        "fsdp2_tied_meta": FSDP2 + GQA_TIED + ["--meta-init"],
+        "fsdp2_free": FSDP2 + FREE + ["--forward-prefetch"],
+        "fsdp2_free_ac": FSDP2 + FREE + ["--activation-checkpointing", "--sharding-strategy", "SHARD_GRAD_OP"],
+        "fsdp2_bf16": FSDP2 + ["--param-dtype", "bf16"],
+        "fsdp2_fp16": FSDP2 + ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],
+        "fsdp2_offload_sync": FSDP2 + ["--cpu-offload", "--micro-batch", "2", "--grad-accum-mode", "sync"],
+        "fsdp2_val11": FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP", "--eval-samples", str(VAL_ROWS),
+                                "--eval-every", "2"],
+        "fsdp2_hybrid1": FSDP2 + ["--sharding-strategy", "HYBRID_SHARD", "--hybrid-shard-size", "1"],
+        "fsdp2_ignored": FSDP2 + ["--backward-prefetch", "NONE", "--no-limit-all-gathers", "--buffer-dtype", "bf16",
+                                  "--sync-module-states", "--no-use-orig-params"],
     })
     return launch(tmp, 2, runs, "two", record=True)
 
@@ -170,6 +196,18 @@ def four(tmp_path_factory):
                                  "--hybrid-shard-size", "2", "--grad-accum-mode", "no_sync"],
         "hybrid_accum_sync": ["--micro-batch", "1", "--sharding-strategy", "HYBRID_SHARD",
                               "--hybrid-shard-size", "2", "--grad-accum-mode", "sync"],
+        # FSDP2: FULL_SHARD and SHARD_GRAD_OP over 4, hybrid as 2 groups of 2, with accumulation
+        "fsdp2_full4": FSDP2 + ["--micro-batch", "1", "--grad-accum-mode", "no_sync"],
+        "fsdp2_sgo4": FSDP2 + ["--micro-batch", "1", "--grad-accum-mode", "sync", "--sharding-strategy",
+                               "SHARD_GRAD_OP"],
+        "fsdp2_hybrid": FSDP2 + ["--micro-batch", "2", "--sharding-strategy", "HYBRID_SHARD",
+                                 "--hybrid-shard-size", "2"],
+        "fsdp2_hybrid_zero2": FSDP2 + ["--micro-batch", "2", "--sharding-strategy", "_HYBRID_SHARD_ZERO2",
+                                       "--hybrid-shard-size", "2"],
+        "fsdp2_hybrid_accum_no_sync": FSDP2 + ["--micro-batch", "1", "--sharding-strategy", "HYBRID_SHARD",
+                                               "--hybrid-shard-size", "2", "--grad-accum-mode", "no_sync"],
+        "fsdp2_hybrid_accum_sync": FSDP2 + ["--micro-batch", "1", "--sharding-strategy", "HYBRID_SHARD",
+                                            "--hybrid-shard-size", "2", "--grad-accum-mode", "sync"],
     }, "four", record=True)
 
 
@@ -208,26 +246,28 @@ def test_no_sync_reduces_gradients_once_per_step(two, four):
     """Guards issue 13 bug 5, no_sync never entered: the gradients would be reduced after every
     micro-batch, giving the same numbers (by design) at twice the traffic. Counted per step and
     rank: no_sync accumulation issues exactly the reductions of a step without accumulation,
-    sync mode one set per micro-batch (2 here), under FSDP, hybrid FSDP and DDP."""
-    cases = [  # (accumulation run in no_sync mode, in sync mode, run without accumulation, ops, processes)
-        ("accum_no_sync", "accum_sync", "FULL_SHARD-module", ["reduce_scatter_single"], two, 2),
-        ("hybrid_accum_no_sync", "hybrid_accum_sync", "hybrid", ["reduce_scatter_single", "all_reduce"], four, 4),
-        ("ddp_ac", "ddp_accum_sync", "ddp", ["ddp_bucket_all_reduce"], two, 2),
+    sync mode one set per micro-batch (2 here), under FSDP1, FSDP2 (set_requires_gradient_sync),
+    their hybrid sharding and DDP."""
+    cases = [  # (accumulation run in no_sync mode, in sync mode, run without accumulation, ops, processes,
+        # all-reduces of the gradient norm among the all_reduce calls: FSDP1's clip_grad_norm_ issues one)
+        ("accum_no_sync", "accum_sync", "FULL_SHARD-module", ["reduce_scatter_single"], two, 2, 0),
+        ("hybrid_accum_no_sync", "hybrid_accum_sync", "hybrid", ["reduce_scatter_single", "all_reduce"], four, 4, 1),
+        ("ddp_ac", "ddp_accum_sync", "ddp", ["ddp_bucket_all_reduce"], two, 2, 0),
+        ("fsdp2_accum_no_sync", "fsdp2_accum_sync", "fsdp2-FULL_SHARD", ["reduce_scatter_single"], two, 2, 0),
+        ("fsdp2_hybrid_accum_no_sync", "fsdp2_hybrid_accum_sync", "fsdp2_hybrid", ["reduce_scatter_single",
+                                                                                   "all_reduce"], four, 4, 0),
     ]
-    for no_sync, sync, plain, ops, runs, nproc in cases:
+    for no_sync, sync, plain, ops, runs, nproc, norm_reduces in cases:
         for rank in range(nproc):
             once, per_micro, single_pass = comms(runs[no_sync], rank), comms(runs[sync], rank), comms(runs[plain], rank)
             assert len(once) == len(per_micro) == len(single_pass) == 5
             for step in range(5):
                 for op in ops:
-                    n = single_pass[step].get(op, 0)
+                    norm = norm_reduces if op == "all_reduce" else 0
+                    n = single_pass[step].get(op, 0) - norm  # one per unit (hybrid: across replicas)
                     assert n > 0, (plain, op, single_pass[step])
-                    if op == "all_reduce":  # hybrid: one per unit across replicas, plus the norm's
-                        n -= 1
-                        assert once[step][op] - 1 == n and per_micro[step][op] - 1 == 2 * n, (op, once, per_micro)
-                        continue
-                    assert once[step].get(op, 0) == n, f"{no_sync} rank {rank} step {step + 1}: {once[step]} vs {n}"
-                    assert per_micro[step].get(op, 0) == 2 * n, f"{sync} rank {rank}: {per_micro[step]} vs 2 x {n}"
+                    assert once[step].get(op, 0) - norm == n, f"{no_sync} rank {rank} step {step + 1}: {once[step]}"
+                    assert per_micro[step].get(op, 0) - norm == 2 * n, f"{sync} rank {rank}: {per_micro[step]}"
 
 
 def test_reduce_dtype_is_the_dtype_of_the_gradient_reduction(two):
@@ -356,3 +396,168 @@ def test_validation_is_world_size_independent(single, two):
     assert len(vals["one"]) == len(vals["two"]) == 3  # steps 2, 4 and the last
     for a, b in zip(vals["two"], vals["one"]):
         assert abs(a - b) <= 1e-5 * b
+
+
+# =============================================================================================
+# FSDP2 (--strategy fsdp2)
+
+
+def wrap_info(run, rank=0):
+    """The FSDP units, state-dict tensor types and forward-prefetch pairs (dist_driver.wrap_record)."""
+    with open(os.path.join(run[2], f"wrap_rank{rank}.json")) as fh:
+        return json.load(fh)
+
+
+def log_of(run):
+    with open(os.path.join(run[2], "training_log.txt")) as fh:
+        return fh.read()
+
+
+FSDP2_EQUAL_ONE_PROCESS = [  # (launch, run): fp32 losses, gradient norms and validation of one process
+    ("two", "fsdp2-FULL_SHARD"), ("two", "fsdp2-SHARD_GRAD_OP"), ("two", "fsdp2-size"),
+    ("two", "fsdp2_accum_no_sync"), ("two", "fsdp2_accum_sync"), ("two", "fsdp2_accum_sync_zero2"),
+    ("two", "fsdp2_ac"), ("two", "fsdp2_offload_sync"), ("two", "fsdp2_ignored"), ("two", "fsdp2_hybrid1"),
+    ("four", "fsdp2_full4"), ("four", "fsdp2_sgo4"), ("four", "fsdp2_hybrid"), ("four", "fsdp2_hybrid_zero2"),
+    ("four", "fsdp2_hybrid_accum_no_sync"), ("four", "fsdp2_hybrid_accum_sync"),
+]
+
+
+@pytest.mark.parametrize("where,name", FSDP2_EQUAL_ONE_PROCESS, ids=[n for _, n in FSDP2_EQUAL_ONE_PROCESS])
+def test_fsdp2_equals_one_process(single, two, four, where, name):
+    """FULL_SHARD / SHARD_GRAD_OP / HYBRID on 2 and 4 processes, with and without accumulation in
+    both modes, activation checkpointing, size-rule units and CPU offload (sync accumulation,
+    which FSDP1 refuses with offload). The logged gradient norm is the global one: the local
+    DTensor norm of a shard would differ."""
+    run = {"two": two, "four": four}[where][name]
+    assert_same_run(run, single["none"])
+    assert abs(run[1]["val_loss"] - single["none"][1]["val_loss"]) <= 1e-5 * single["none"][1]["val_loss"]
+    if name != "fsdp2_hybrid1":
+        assert "strategy fsdp2 " in log_of(run)
+
+
+def test_fsdp2_units_are_fsdp1_units(two):
+    """One rule (shard_units) decides the units of both backends, for the block rule and the size
+    rule; the root is a unit of its own."""
+    for fsdp1, fsdp2 in (("FULL_SHARD-module", "fsdp2-FULL_SHARD"), ("FULL_SHARD-size", "fsdp2-size")):
+        assert wrap_info(two[fsdp2])["units"] == wrap_info(two[fsdp1])["units"]
+    assert [u[0] for u in wrap_info(two["fsdp2-FULL_SHARD"])["units"]] == ["", "blocks.0", "blocks.1"]
+    assert len(wrap_info(two["fsdp2-size"])["units"]) > 3  # the size rule picks more, smaller units
+
+
+def test_fsdp2_sharding_strategy_sets_reshard_after_forward(two, four):
+    """FULL_SHARD and HYBRID_SHARD gather every unit twice a step (forward, then again in backward:
+    resharded after forward), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 once. Equal losses cannot
+    tell them apart; the all-gathers can."""
+    def gathers(run):
+        return {s["counts"]["all_gather_single"] for s in json.load(open(os.path.join(run[2], "comms_rank0.json")))}
+    units = len(wrap_info(two["fsdp2-FULL_SHARD"])["units"])
+    assert gathers(two["fsdp2-FULL_SHARD"]) == {2 * units}
+    assert gathers(two["fsdp2-SHARD_GRAD_OP"]) == {units}
+    assert gathers(four["fsdp2_hybrid"]) == {2 * units}
+    assert gathers(four["fsdp2_hybrid_zero2"]) == {units}
+
+
+def test_fsdp2_hybrid_shards_over_the_group_only(four):
+    assert 0.5 <= rank0_share(four["fsdp2_hybrid"][2]) < 0.55
+    assert 0.5 <= rank0_share(four["fsdp2_hybrid_zero2"][2]) < 0.55
+    assert 0.25 <= rank0_share(four["fsdp2_full4"][2]) < 0.3
+
+
+def test_state_dicts_hold_dtensors_under_fsdp1_and_fsdp2(two):
+    """FSDP1 gets a device mesh for every sharding strategy, so its state dicts hold DTensors
+    like FSDP2's (without one: ShardedTensor); DCP checkpoints of both then interchange.
+    NO_SHARD shards nothing: plain tensors, as DDP's."""
+    for strategy in STRATEGIES:
+        expected = ["Tensor"] if strategy == "NO_SHARD" else ["DTensor"]
+        assert wrap_info(two[f"{strategy}-module"])["state_dict"] == expected, strategy
+    assert wrap_info(two["fsdp2-FULL_SHARD"])["state_dict"] == ["DTensor"]
+
+
+def test_fsdp2_meta_init_equals_fsdp1_meta_init(single, two):
+    """Sharded on the meta device, then each module initialised on full-size tensors in FSDP1's
+    order, each rank keeping its shard: the weights of one FSDP1 process, at any world size."""
+    assert_same_run(two["fsdp2_meta"], single["meta1"])
+    a = torch.load(os.path.join(two["fsdp2_meta"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    b = torch.load(os.path.join(single["meta1"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp2_tied_embeddings_stay_in_one_unit(single, two):
+    """The size rule would make the embedding a unit: tied to the head (in the root), it stays
+    in the root's unit with it. Under --meta-init (allowed with fsdp2) the tie survives."""
+    assert_same_run(two["fsdp2_gqa_tied"], single["gqa_tied"])
+    names = [u[0] for u in wrap_info(two["fsdp2_gqa_tied"])["units"]]
+    assert "tok_emb" not in names and "lm_head" not in names and len(names) > 3, names
+    final = torch.load(os.path.join(two["fsdp2_tied_meta"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    assert torch.equal(final["tok_emb.weight"], final["lm_head.weight"])
+    losses = two["fsdp2_tied_meta"][0]
+    assert losses[-1] < losses[0] and losses != two["fsdp2_gqa_tied"][0]
+
+
+def test_fsdp2_free_transformer_equals_ddp(two):
+    """Z is sampled per rank, so compare at the same world size, with forward prefetch, and with
+    activation checkpointing under SHARD_GRAD_OP."""
+    assert_same_run(two["fsdp2_free"], two["free_ddp"])
+    assert_same_run(two["fsdp2_free_ac"], two["free_ddp"])
+    a = torch.load(os.path.join(two["fsdp2_free"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    b = torch.load(os.path.join(two["free_ddp"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    torch.testing.assert_close(a["latent.post_sampler"], b["latent.post_sampler"], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp2_forward_prefetch_follows_the_run_order(two):
+    """--forward-prefetch: each unit prefetches the next in the order the forward ran them (the
+    latent sampler between the two halves of the Free Transformer); none without the flag."""
+    assert wrap_info(two["fsdp2_free"])["forward_prefetch"] == [["", "blocks.0"], ["blocks.0", "latent"],
+                                                                ["latent", "blocks.1"]]
+    assert wrap_info(two["fsdp2-FULL_SHARD"])["forward_prefetch"] == []
+
+
+def test_fsdp2_mixed_precision_policy(two):
+    """param_dtype and reduce_dtype through MixedPrecisionPolicy: bf16 compute with fp32
+    reduce-scatters; fp16 with fp16 reduce-scatters and the amp GradScaler (the first step
+    overflows at 2^16 and is skipped, then training proceeds like DDP's)."""
+    assert comm_dtypes(two["fsdp2_bf16"], "reduce_scatter_single") == {"float32"}
+    assert comm_dtypes(two["fsdp2_fp16"], "reduce_scatter_single") == {"float16"}
+    bf16, fp32 = two["fsdp2_bf16"][0], two["fsdp2-FULL_SHARD"][0]
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(bf16, fp32)) and bf16 != fp32
+    with open(os.path.join(two["fsdp2_fp16"][2], "metrics.jsonl")) as fh:
+        fp16 = [r for r in map(json.loads, fh) if "loss" in r]
+    assert fp16[0]["grad_norm"] == float("inf") and all(math.isfinite(r["grad_norm"]) for r in fp16[1:])
+    for a, b in zip(fp16, two["fp16_ddp"][0]):
+        assert abs(a["loss"] - b) < 1e-3 * b
+
+
+def test_fsdp2_validation_between_steps(single, two):
+    """Evaluations every 2 steps under SHARD_GRAD_OP (the gathered parameters outlive a no-grad
+    forward) leave training and the later evaluations as one process has them."""
+    assert_same_run(two["fsdp2_val11"], single["val11"])
+    vals = {}
+    for name, runs in (("one", single), ("two", two)):
+        run = runs["val11" if name == "one" else "fsdp2_val11"]
+        with open(os.path.join(run[2], "metrics.jsonl")) as fh:
+            vals[name] = [r["val_loss"] for r in map(json.loads, fh) if "val_loss" in r]
+    assert len(vals["one"]) == len(vals["two"]) == 3
+    for a, b in zip(vals["two"], vals["one"]):
+        assert abs(a - b) <= 1e-5 * b
+
+
+def test_fsdp2_names_the_fsdp1_settings_it_ignores(two):
+    """Settings FSDP2 has no form for are said on one line (and change nothing: see
+    test_fsdp2_equals_one_process)."""
+    notes = [line for line in log_of(two["fsdp2_ignored"]).splitlines() if "have no effect" in line]
+    assert len(notes) == 1, notes
+    for flag in ("--backward-prefetch NONE", "--limit-all-gathers False", "--buffer-dtype bf16",
+                 "--sync-module-states True", "--use-orig-params False"):
+        assert flag in notes[0], notes[0]
+    assert "have no effect" not in log_of(two["fsdp2-FULL_SHARD"])
+
+
+def test_hybrid_with_one_process_per_group_is_ddp(two):
+    """One process per shard group is replication: DDP does it (FSDP1's NO_SHARD fallback skipped
+    the all-reduce across replicas)."""
+    with open(os.path.join(two["fsdp2_hybrid1"][2], "config.json")) as fh:
+        assert json.load(fh)["train"]["strategy"] == "ddp"
+    assert "strategy ddp" in log_of(two["fsdp2_hybrid1"])
+    assert comms(two["fsdp2_hybrid1"])[0].get("ddp_bucket_all_reduce", 0) > 0

@@ -72,7 +72,7 @@ def test_two_nodes_of_one_process_hybrid_is_replication(tmp_path, reference):
     }, "2x1")
     assert_same(losses["hybrid"], reference)
     assert_same(losses["hybrid_zero2"], reference)
-    assert "using NO_SHARD across all processes" in "".join(logs)
+    assert "using DDP (--strategy ddp) across all processes" in "".join(logs)
 
 
 def test_srun_style_launch_without_torchrun(tmp_path, reference):

@@ -136,7 +136,7 @@ def test_log_records_and_start_up_summary(runs):
         log = fh.read()
     for line in ("world 2 | backend gloo | device cpu", "strategy fsdp FULL_SHARD wrap=module",
                  "dtypes param=fp32 reduce=fp32 buffer=fp32", "parameters: total 34,976 | trainable 34,976",
-                 "batch: global 8 = micro 4 x world 2 x accum 1 (no_sync) | seq 66 | 528 tokens/step"):
+                 "batch: global 8 = micro 4 x world 2 x accum 1 (sync) | seq 66 | 528 tokens/step"):
         assert line in log, log
 
 
