@@ -48,7 +48,16 @@ VARIANTS = {  # test 1: every one resumed at the same world size must be bit-ide
     "ddp": ["--strategy", "ddp"],
     "free": ["--arch", "free", "--latent-bits", "4"],
     "fp16": ["--param-dtype", "fp16", "--reduce-dtype", "fp16"],  # with ShardedGradScaler's state
+    "fsdp2": ["--strategy", "fsdp2"],
+    "fsdp2_fp16": ["--strategy", "fsdp2", "--param-dtype", "fp16", "--reduce-dtype", "fp16"],  # amp GradScaler
 }
+STRATEGY_ARGS = {s: ["--strategy", s] for s in ("fsdp", "ddp", "fsdp2", "none")}
+# Cross-backend resumes: (run, where it runs, the backend that saved the checkpoint); every
+# checkpoint of none / ddp / fsdp / fsdp2 resumes under every other one, at other world sizes too.
+CROSS = [(f"{to}_from_{saver}", "res2", saver) for saver in ("fsdp", "ddp", "fsdp2", "none")
+         for to in ("fsdp", "ddp", "fsdp2") if to != saver]
+CROSS += [("none_from_fsdp", "one", "fsdp"), ("none_from_ddp", "one", "ddp"), ("none_from_fsdp2", "one", "fsdp2"),
+          ("fsdp2_from_fsdp", "four", "fsdp"), ("fsdp2_from_full", "res2", "full")]
 KILL_ARGS = ["--max-steps", "12", "--save-every", "1"]   # test 3
 SIGNAL_ARGS = ["--max-steps", "20"]                      # test 4
 NONFINITE = ["--lr", "1e6", "--grad-clip", "0", "--save-every", "1", "--max-steps", "20"]  # test 10
@@ -315,7 +324,9 @@ def four(tmp_path_factory, ref2):
     """4 processes: resume 2-process checkpoints, and save one to resume on 2."""
     tmp = tmp_path_factory.mktemp("four")
     interrupted_copy(ref2["FULL_SHARD"][2], tmp / "four-from2")
+    interrupted_copy(ref2["FULL_SHARD"][2], tmp / "four-fsdp2_from_fsdp")
     return launch(tmp, 4, {
+        "fsdp2_from_fsdp": R + ["--micro-batch", "2", "--strategy", "fsdp2"],
         "from2": R + ["--micro-batch", "2"],
         "save4": R + ["--micro-batch", "2"],
         "save4_batch12": R + ["--global-batch", "12"],  # a batch 3 processes can split too
@@ -330,14 +341,25 @@ def three(tmp_path_factory, four):
     return launch(tmp, 3, {"from4": R + ["--global-batch", "12"]}, "three")
 
 
+def saved_by(saver, ref2, one):
+    """The run directory of a 10-step reference run of this backend (checkpoints 3, 6, 9, 10)."""
+    if saver == "none":
+        return one["none_save"][2]
+    return ref2[{"fsdp": "FULL_SHARD"}.get(saver, saver)][2]
+
+
 @pytest.fixture(scope="module")
-def res2(tmp_path_factory, ref2, four):
+def res2(tmp_path_factory, ref2, four, one):
     """Resumes on 2 processes from copies of the references."""
     tmp = tmp_path_factory.mktemp("res2")
     runs = {}
     for name, extra in VARIANTS.items():
         interrupted_copy(ref2[name][2], tmp / f"res2-{name}")
         runs[name] = R + extra
+    for name, where, saver in CROSS:
+        if where == "res2":
+            interrupted_copy(saved_by(saver, ref2, one), tmp / f"res2-{name}")
+            runs[name] = R + STRATEGY_ARGS[name.split("_from_")[0]] + (VARIANTS["full"] if saver == "full" else [])
     interrupted_copy(ref2["FULL_SHARD"][2], tmp / "res2-sgo_from_full")
     runs["sgo_from_full"] = R + ["--sharding-strategy", "SHARD_GRAD_OP"]
     interrupted_copy(four["save4"][2], tmp / "res2-from4")
@@ -378,7 +400,13 @@ def one(tmp_path_factory, ref2):
         interrupted_copy(src, tmp / f"one-{name}")
     interrupted_copy(ref2["full"][2], tmp / "one-from2_full")
     shutil.copytree(src, tmp / "one-rollback")
-    return launch(tmp, 1, {
+    for name, where, saver in CROSS:
+        if where == "one" and name != "none_from_fsdp":  # that one is from2_none
+            interrupted_copy(saved_by(saver, ref2, None), tmp / f"one-{name}")
+    runs = launch(tmp, 1, {
+        "none_save": R + ["--strategy", "none"],
+        "none_from_ddp": R + ["--strategy", "none"],
+        "none_from_fsdp2": R + ["--strategy", "none"],
         "from2_fsdp": R,
         "from2_none": R + ["--strategy", "none"],
         "from2_full": R + VARIANTS["full"],
@@ -396,6 +424,8 @@ def one(tmp_path_factory, ref2):
         "rollback": R + ["--resume", os.path.join(ckpt_root(tmp / "one-rollback"), "step_0000006"),
                          "--save-every", "1", "--keep-checkpoints", "2", "--max-steps", "8"],
     }, "one")
+    runs["none_from_fsdp"] = runs["from2_none"]
+    return runs
 
 
 # =============================================================================================
@@ -420,7 +450,7 @@ def test_resume_same_world_size_is_bit_identical(ref2, res2, name):
     # scales would leave the losses unchanged, so compare the state itself.
     ref_meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(ref2[name][2]), "step_0000010"))
     assert meta["scaler"] == ref_meta["scaler"]
-    assert (meta["scaler"] is not None) == (name == "fp16")
+    assert (meta["scaler"] is not None) == name.endswith("fp16")
     assert_same_tokens_seen(run_dir, ref_dir)
     assert meta["tokens_seen"] == ref_meta["tokens_seen"] == 10 * 8 * 66  # TINY: 8 rows of 66 tokens a step
 
@@ -488,6 +518,22 @@ def test_four_process_checkpoint_resumes_on_three(four, three):
     losses, _, run_dir = three["from4"]
     assert resumed_step(run_dir) == 6 and "saved by 4 processes" in log_text(run_dir)
     assert_same(losses, four["save4_batch12"][0], rel=1e-5)
+
+
+@pytest.mark.parametrize("name,where,saver", CROSS, ids=[c[0] for c in CROSS])
+def test_checkpoint_resumes_under_another_backend(ref2, one, res2, four, name, where, saver):
+    """A sharded (DCP) checkpoint saved by none, ddp, fsdp (FSDP1, DTensor state dicts through its
+    device mesh) or fsdp2 resumes under each other backend, also at another world size (1, 2
+    and 4 processes), model and optimizer state: steps 7-10 give the uninterrupted run's losses.
+    A fresh optimizer would not (Adam's first steps are larger)."""
+    losses, _, run_dir = {"res2": res2, "one": one, "four": four}[where][name]
+    to = name.split("_from_")[0]
+    assert resumed_step(run_dir) == 6
+    meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000006"))
+    assert meta["config"]["train"]["strategy"] == (saver if saver in ("none", "ddp", "fsdp2") else "fsdp")
+    assert f"changed on resume: train.strategy: {meta['config']['train']['strategy']!r} -> {to!r}" in log_text(run_dir)
+    assert loss_steps(run_dir) == list(range(1, 11))
+    assert_same(losses, ref2["FULL_SHARD"][0], rel=1e-5)
 
 
 # =============================================================================================
@@ -688,7 +734,7 @@ def optimizer_groups(step_dir, tmp_path):
     return {k: v.dim() for k, v in state["model"].items()}, state["optim"]["param_groups"]
 
 
-@pytest.mark.parametrize("name", ["full", "FULL_SHARD", "ddp", "free", "none"])
+@pytest.mark.parametrize("name", ["full", "FULL_SHARD", "ddp", "free", "none", "fsdp2"])
 def test_weight_decay_only_on_matrices(ref2, one, tmp_path, name):
     """Guards issue 13 bug 2, weight decay applied to every parameter: in the optimizer state a
     run saved (FSDP full and sharded, DDP, one process; the Free Transformer adds a 1-D ζ),
