@@ -1,6 +1,7 @@
 """Benchmark harness: the real training step of train_fsdp.py over a matrix of settings.
 
     python bench.py --suite single      # one GPU: ~1B baseline and Free Transformer, eager and compiled
+    python bench.py --suite small       # 6 x 384 (~10M), compiled: none / ddp / fsdp / fsdp2 on 1 GPU and all GPUs
     python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation
     python bench.py --suite knobs       # forward_prefetch, limit_all_gathers off, CPU offload
     python bench.py --suite tune        # one GPU: the compiled 1B at micro-batch 8 and 12
@@ -8,7 +9,7 @@
     python bench.py --suite text        # one GPU: data-loader share on real packed text vs random tokens
     python bench.py --suite capacity    # 1.5b and 8b: FULL_SHARD + AC vs DDP
     python bench.py --suite sweep --memory-cap-gib 78      # largest model: FULL_SHARD + AC vs DDP + AC
-    python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU
+    python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU (fsdp and fsdp2)
     python bench.py --suite offload --memory-cap-gib 78    # CPU offload past the GPU-only limit
     make bench SUITE=multi
 
@@ -51,6 +52,13 @@ CORPUS = os.path.join("bench_data", "corpus.txt")
 CORPUS_BYTES = 12 << 20
 
 
+FSDP2 = ["--strategy", "fsdp2"]
+# The small model of issue 15: 6 x 384 (~10.7M parameters with a 256-token vocabulary), sequence 256,
+# compiled, micro-batch 16 per GPU.
+SMALL = ["--arch", "baseline", "--n-layer", "6", "--d-model", "384", "--n-head", "6", "--seq-len", "256",
+         "--tokenizer-vocab-size", "256", "--compile"]
+
+
 def width_4096(n_layer):
     """The 8b preset's width (4096, 32 heads, 8 KV heads, SwiGLU 14336) at another depth."""
     return ["--size", "8b", "--arch", "baseline", "--n-layer", str(n_layer)]
@@ -64,7 +72,21 @@ def suite(name, ngpu):
         return [("1b baseline eager", 1, ONE_B + one, 12),
                 ("1b free eager", 1, ONE_B + one + ["--arch", "free"], 12),
                 ("1b baseline compile", 1, ONE_B + one + ["--compile"], 14),
-                ("1b free compile", 1, ONE_B + one + ["--arch", "free", "--compile"], 14)]
+                ("1b baseline compile fsdp2", 1, ONE_B + one + ["--compile"] + FSDP2, 14),
+                ("1b free compile", 1, ONE_B + one + ["--arch", "free", "--compile"], 14),
+                ("1b free compile fsdp2", 1, ONE_B + one + ["--arch", "free", "--compile"] + FSDP2, 14)]
+    if name == "small":
+        # Per step, the same call: FSDP1's per-unit overhead against one device and DDP, and FSDP2's.
+        one = ["--micro-batch", "16", "--global-batch", "16"]
+        many = ["--micro-batch", "16", "--global-batch", str(16 * ngpu)]
+        return [("small none 1 GPU", 1, SMALL + one + ["--strategy", "none"], 40, 10),
+                ("small fsdp 1 GPU", 1, SMALL + one, 40, 10),
+                ("small fsdp2 1 GPU", 1, SMALL + one + FSDP2, 40, 10),
+                ("small ddp", ngpu, SMALL + many + ["--strategy", "ddp"], 40, 10),
+                ("small fsdp", ngpu, SMALL + many, 40, 10),
+                ("small fsdp2", ngpu, SMALL + many + FSDP2, 40, 10),
+                ("small fsdp2 SHARD_GRAD_OP", ngpu, SMALL + many + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"],
+                 40, 10)]
     if name == "multi":
         runs = [("1 GPU FULL_SHARD", 1, ONE_B + ["--micro-batch", "8", "--global-batch", "8"], 10),
                 ("FULL_SHARD", ngpu, ONE_B + per_gpu, 10),
@@ -77,20 +99,32 @@ def suite(name, ngpu):
                 ("prefetch NONE", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "NONE"], 10),
                 ("AC every block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing"], 10),
                 ("AC every 2nd block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing", "--ac-every", "2"], 10),
-                ("accum 2 no_sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu)], 10),
+                ("accum 2 no_sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
+                                                   "--grad-accum-mode", "no_sync"], 10),
                 ("accum 2 sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
-                                                "--grad-accum-mode", "sync"], 10)]
+                                                "--grad-accum-mode", "sync"], 10),
+                ("fsdp2 FULL_SHARD", ngpu, ONE_B + per_gpu + FSDP2, 10),
+                ("fsdp2 SHARD_GRAD_OP", ngpu, ONE_B + per_gpu + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"], 10),
+                ("fsdp2 HYBRID_SHARD 2x2", ngpu, ONE_B + per_gpu + FSDP2 + ["--sharding-strategy", "HYBRID_SHARD",
+                                                                            "--hybrid-shard-size", "2"], 10),
+                ("fsdp2 accum 2 no_sync", ngpu, ONE_B + FSDP2 + ["--micro-batch", "4", "--global-batch",
+                                                                 str(8 * ngpu)], 10)]
         return runs
     if name == "tune":
         one = ["--global-batch", "8", "--micro-batch", "8", "--compile"]
+        twelve = ["--global-batch", "12", "--micro-batch", "12", "--compile"]
         return [("1b baseline compile", 1, ONE_B + one, 14),
-                ("1b baseline compile micro 12", 1, ONE_B + ["--global-batch", "12", "--micro-batch", "12",
-                                                             "--compile"], 14),
-                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14)]
+                ("1b baseline compile micro 12", 1, ONE_B + twelve, 14),
+                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14),
+                ("1b baseline compile fsdp2", 1, ONE_B + one + FSDP2, 14),
+                ("1b baseline compile micro 12 fsdp2", 1, ONE_B + twelve + FSDP2, 14),
+                ("1b free compile fsdp2", 1, ONE_B + one + ["--arch", "free"] + FSDP2, 14)]
     if name == "knobs":
         return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
                 ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
-                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7)]
+                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7),
+                ("fsdp2 forward_prefetch", ngpu, ONE_B + per_gpu + FSDP2 + ["--forward-prefetch"], 10),
+                ("fsdp2 CPU offload", ngpu, ONE_B + per_gpu + FSDP2 + ["--cpu-offload"], 7)]
     if name == "free":
         one = ["--micro-batch", "8", "--global-batch", "8", "--compile"]
         big = ["--size", "1.5b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
@@ -109,9 +143,10 @@ def suite(name, ngpu):
             model = ["--size", size, "--arch", "baseline", "--micro-batch", "2", "--global-batch", str(2 * ngpu)]
             runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
             runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
-        runs.append(("8b free FULL_SHARD+AC", ngpu, ["--size", "8b", "--arch", "free", "--meta-init",
-                                                      "--activation-checkpointing", "--micro-batch", "2",
-                                                      "--global-batch", str(2 * ngpu)], 7))
+        free_8b = ["--size", "8b", "--arch", "free", "--meta-init", "--activation-checkpointing", "--micro-batch", "2",
+                   "--global-batch", str(2 * ngpu)]
+        runs.append(("8b free FULL_SHARD+AC", ngpu, free_8b, 7))
+        runs.append(("8b free FULL_SHARD+AC fsdp2", ngpu, free_8b + FSDP2, 7))
         return runs
     if name == "sweep":
         # Width 4096 at growing depth, micro-batch 2, activation checkpointing for both, so the
@@ -122,22 +157,28 @@ def suite(name, ngpu):
             runs.append((f"DDP+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--strategy", "ddp"], 6))
         for layers in (76, 80, 84):
             runs.append((f"FULL_SHARD+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--meta-init"], 6))
+        for layers in (76, 80, 84):
+            runs.append((f"fsdp2 FULL_SHARD+AC {layers} layers", ngpu,
+                         width_4096(layers) + per_gpu + ["--meta-init"] + FSDP2, 6))
         return runs
     if name == "8b":
         model = ["--size", "8b", "--meta-init", "--compile", "--global-batch", str(2 * ngpu), "--micro-batch", "2"]
+        micro4 = ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4", "--activation-checkpointing",
+                  "--ac-every", "2"]
         return [("8b baseline compile", ngpu, model + ["--arch", "baseline"], 10),
                 ("8b free compile", ngpu, model + ["--arch", "free"], 10),
-                ("8b free compile micro 4 AC every 2nd", ngpu,
-                 model + ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4",
-                          "--activation-checkpointing", "--ac-every", "2"], 10)]
+                ("8b free compile micro 4 AC every 2nd", ngpu, model + micro4, 10),
+                ("8b baseline compile fsdp2", ngpu, model + ["--arch", "baseline"] + FSDP2, 10),
+                ("8b free compile fsdp2", ngpu, model + ["--arch", "free"] + FSDP2, 10),
+                ("8b free compile micro 4 AC every 2nd fsdp2", ngpu, model + micro4 + FSDP2, 10)]
     if name == "offload":
         # Past the GPU-only limit of the sweep: parameters, gradients and AdamW state on the host.
         # A step takes tens of seconds (the optimizer runs on the CPU), so 4 steps, median of the last 2.
         flags = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing",
                  "--meta-init", "--cpu-offload"]
         return [("CPU offload+AC 96 layers", ngpu, width_4096(96) + flags, 4, 2)]
-    raise SystemExit(f"--suite {name}: valid suites are single, multi, knobs, tune, free, text, capacity, sweep, "
-                     "8b, offload")
+    raise SystemExit(f"--suite {name}: valid suites are single, small, multi, knobs, tune, free, text, capacity, "
+                     "sweep, 8b, offload")
 
 
 def gemm_tflops():
@@ -233,7 +274,7 @@ def markdown(rows, header):
 def build_arg_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suite", default="single",
-                   help="single, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
+                   help="single, small, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "

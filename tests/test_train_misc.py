@@ -83,8 +83,8 @@ def test_profile_writes_chrome_traces(runs):
             assert sum(lo <= e["ts"] <= hi for lo, hi in steps.values()) == 1, (path, e["ts"], steps)
 
 
-@pytest.mark.parametrize("suite", ["single", "multi", "knobs", "tune", "free", "text", "capacity", "sweep", "8b",
-                                   "offload"])
+@pytest.mark.parametrize("suite", ["single", "small", "multi", "knobs", "tune", "free", "text", "capacity", "sweep",
+                                   "8b", "offload"])
 def test_bench_suites_are_valid_trainer_commands(suite):
     """Every bench.py entry parses and validates as a trainer command, and the shapes are what
     the names say (GPU time is too scarce to find a typo there)."""
@@ -97,6 +97,9 @@ def test_bench_suites_are_valid_trainer_commands(suite):
         assert nproc in (1, 4)
         if "layers" in name:
             assert f"{cfg.model.n_layer} layers" in name and cfg.model.d_model == 4096
+        assert ("fsdp2" in name) == (cfg.train.strategy == "fsdp2"), name
+        if name.startswith("small"):
+            assert (cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len) == (6, 384, 256)
         if name.startswith(("1b", "1.5b", "8b")):
             assert cfg.model.n_layer == model_lib.SIZE_PRESETS[name.split()[0]]["n_layer"]
             assert cfg.model.arch == ("free" if " free" in name else "baseline")
