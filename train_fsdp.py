@@ -99,8 +99,8 @@ class FSDPConfig:
     sync_module_states: bool = opt(False, "broadcast rank 0's weights to all ranks at wrap time")
     meta_init: bool = opt(False, "build the model on the meta device and materialise it unit by unit "
                           "(models too big for one host's RAM)")
-    auto_wrap: str = opt("module", "FSDP unit policy: module (ModuleWrapPolicy on the block class), lambda "
-                         "(predicate), size (min_num_params)", ["module", "lambda", "size"])
+    auto_wrap: str = opt("module", "FSDP unit rule, for fsdp and fsdp2 alike: module (the block classes), lambda "
+                         "(a predicate on them), size (min_num_params)", ["module", "lambda", "size"])
     min_num_params: int = opt(1_000_000, "parameters per unit for --auto-wrap size")
     activation_checkpointing: bool = opt(False, "recompute blocks in backward (non-reentrant checkpoint_wrapper)")
     ac_every: int = opt(1, "checkpoint every k-th block (1 = all)")

@@ -10,7 +10,7 @@ their dtypes; DDP's bucket all-reduces, counted by a comm hook that runs torch's
 allreduce_hook) and the parameter all-gathers. The wrappers only count: the tensors and the
 collectives are the same. It also writes OUT_DIR/wrap_rank{r}.json at the end of the run: the
 FSDP units (name in the unwrapped model, class of the sharded module), the tensor types of the
-model's state dict, and FSDP2's forward-prefetch pairs.
+model's state dict, FSDP2's forward-prefetch pairs and the policies of its units.
 """
 import collections
 import functools
@@ -96,10 +96,11 @@ class CommRecorder:
 
 def wrap_record(model):
     """FSDP units as [name, class of the sharded module], the types of the state dict's tensors,
-    FSDP2's forward-prefetch pairs [unit, the unit it prefetches]."""
+    FSDP2's forward-prefetch pairs [unit, the unit it prefetches] and the policies of its units
+    [name, offload policy class, param_dtype, reduce_dtype]."""
     model = getattr(model, "_orig_mod", model)
     names = {m: train_fsdp.unwrapped_name(n + ".").rstrip(".") for n, m in model.named_modules()}
-    units, prefetch = [], []
+    units, prefetch, policies = [], [], []
     for m, name in names.items():
         if isinstance(m, FSDP):
             units.append([name, type(m.module).__name__])
@@ -109,8 +110,10 @@ def wrap_record(model):
     for m, name in names.items():
         if isinstance(m, FSDPModule):
             prefetch += [[name, by_state[s]] for s in m._get_fsdp_state()._states_to_forward_prefetch]
+            policies += [[name, type(g.offload_policy).__name__, str(g.mp_policy.param_dtype),
+                          str(g.mp_policy.reduce_dtype)] for g in m._get_fsdp_state()._fsdp_param_groups]
     types = sorted({type(v).__name__ for v in get_model_state_dict(model).values()})
-    return {"units": units, "state_dict": types, "forward_prefetch": prefetch}
+    return {"units": units, "state_dict": types, "forward_prefetch": prefetch, "fsdp2_policies": policies}
 
 
 if __name__ == "__main__":

@@ -435,6 +435,15 @@ def test_fsdp2_equals_one_process(single, two, four, where, name):
         assert "strategy fsdp2 " in log_of(run)
 
 
+def test_fsdp2_cpu_offload_policy(two):
+    """--cpu-offload: CPUOffloadPolicy on every unit (on a CPU-only machine the numbers cannot
+    show it: test_fsdp2_equals_one_process checks they stay right, with sync accumulation)."""
+    policies = wrap_info(two["fsdp2_offload_sync"])["fsdp2_policies"]
+    assert [p[0] for p in policies] == ["", "blocks.0", "blocks.1"]
+    assert {p[1] for p in policies} == {"CPUOffloadPolicy"}
+    assert {p[1] for p in wrap_info(two["fsdp2-FULL_SHARD"])["fsdp2_policies"]} == {"OffloadPolicy"}
+
+
 def test_fsdp2_units_are_fsdp1_units(two):
     """One rule (shard_units) decides the units of both backends, for the block rule and the size
     rule; the root is a unit of its own."""
@@ -518,6 +527,8 @@ def test_fsdp2_mixed_precision_policy(two):
     """param_dtype and reduce_dtype through MixedPrecisionPolicy: bf16 compute with fp32
     reduce-scatters; fp16 with fp16 reduce-scatters and the amp GradScaler (the first step
     overflows at 2^16 and is skipped, then training proceeds like DDP's)."""
+    assert {tuple(p[1:]) for p in wrap_info(two["fsdp2_bf16"])["fsdp2_policies"]} == {
+        ("OffloadPolicy", "torch.bfloat16", "torch.float32")}
     assert comm_dtypes(two["fsdp2_bf16"], "reduce_scatter_single") == {"float32"}
     assert comm_dtypes(two["fsdp2_fp16"], "reduce_scatter_single") == {"float16"}
     bf16, fp32 = two["fsdp2_bf16"][0], two["fsdp2-FULL_SHARD"][0]
