@@ -76,10 +76,19 @@ RANGES = [
     ("dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("init_std", lambda v: v > 0, "> 0"),
     ("kappa", lambda v: v >= 0, ">= 0"), ("mapper_chunk", lambda v: v >= 1, ">= 1"),
     ("rope_theta", lambda v: v > 0, "> 0"), ("norm_eps", lambda v: v > 0, "> 0"),
+    ("latent_std", lambda v: v > 0, "> 0"),
 ]
 # Fields a resumed run may change, because they do not change what it computes: the size preset's
 # name (its fields are compared one by one) and the chunking of the Binary Mapper's backward.
 RESUME_FREE = {"size", "mapper_chunk"}
+
+
+def saved_fields(table):
+    """A saved run's model table with the fields it predates filled in with the values it was
+    trained with: runs saved before the latent settings existed added R before the norm, with
+    iid rows of std init_std. Read every saved config through this, never with today's defaults."""
+    before = {"latent_init": "random", "latent_inject": "pre_norm", "latent_std": table.get("init_std", 0.02)}
+    return {**before, **table}
 
 
 def check_model_config(cfg, meta_init=False):

@@ -49,7 +49,7 @@ def find_checkpoint(path):
 def load_model(path, device):
     """An unwrapped model from a consolidated checkpoint, in eval mode, plus the checkpoint."""
     ckpt = torch.load(find_checkpoint(path), map_location="cpu")
-    model = model_lib.build_model(model_lib.ModelConfig(**ckpt["config"]["model"]))
+    model = model_lib.build_model(model_lib.ModelConfig(**model_lib.saved_fields(ckpt["config"]["model"])))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
 

@@ -64,6 +64,13 @@ def model_config(a, vocab):
 
 @torch.no_grad()
 def evaluate(model, data, a, device, ctx):
+    """Validation with its own random numbers: the run's trajectory does not depend on how
+    often it is evaluated."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return evaluate_rows(model, data, a, device, ctx)
+
+
+def evaluate_rows(model, data, a, device, ctx):
     model.eval()
     sums, n = {}, min(a.eval_rows, data.n_val)
     for s in range(0, n, 128):

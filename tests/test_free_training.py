@@ -24,4 +24,5 @@ def test_free_transformer_uses_z_and_beats_the_baseline_ce(tmp_path):
                   "short")
     free, base = runs["free"][1], runs["baseline"][1]
     assert free["val_kl"] > 0.1, free            # nats per token carried by Z (0 at init)
+    assert free["val_r_rms_ratio"] > 0.5, free   # the latent's health is logged: R not drowned by the stream
     assert free["val_ce"] < base["val_ce"] - 0.01, (free, base)
