@@ -1451,6 +1451,7 @@ def prepare_run_dir(cfg, rank):
                 raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
                                "another directory or pass --overwrite")
         if old is not None:
+            old["model"] = model_lib.saved_fields(old.get("model", {}))  # fields the old run predates
             refused, allowed = config_changes(old, dataclasses.asdict(cfg))
             if refused:
                 raise BadInput(f"--out-dir {run_dir} already holds a run with another config "
