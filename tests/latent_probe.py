@@ -37,6 +37,7 @@ def parse(argv):
     p.add_argument("--latent-bits", type=int, default=8)
     p.add_argument("--kappa-bits", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--stop-after", type=int, default=0, help="end after this many steps (the schedule spans --steps)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--batch", type=int, default=64)
@@ -129,6 +130,8 @@ def main(argv=None):
                    **{f"train_{k}": round(float(v), 4) for k, v in parts.items()},
                    **{k: round(v, 4) for k, v in evaluate(model, data, a, device, ctx).items()}}
             print(json.dumps(rec), file=out, flush=True)
+        if step + 1 == a.stop_after:
+            break
     if a.demo_batches:
         model.eval()
         summary, _ = sample.synthetic_demo(model, device, a.seed, n_batches=a.demo_batches)

@@ -1,16 +1,16 @@
 """The Free Transformer's decoder reads Z at a width where, with the paper's injection, it did
 not (issue 11; BENCHMARKS.md "The latent Z at every width").
 
-2 blocks of width 256, H = 8, 2 free bits, 300 steps of global batch 32 on the CPU, one thread
-(so that the run is the one measured), through tests/latent_probe.py (the trainer's loop
-without distribution). Guards the two defaults that
+2 blocks of width 256, H = 8, 2 free bits, the first 100 steps of a 300-step schedule at global
+batch 16 on the CPU, one thread (so that the run is the one measured), through
+tests/latent_probe.py (the trainer's loop without distribution). Guards the two defaults that
 make Z usable: R added after the first upper block's RMSNorm at rms 1 (latent_inject=post_norm,
 latent_std=1) and bit-structured post-sampler rows (latent_init=bits). With the paper's
 settings (pre_norm, random, 0.02) the same run spends 1.2 nats of KL a token that the decoder
 never reads: validation CE with Z from the prior equals the CE with Z from the encoder
-(seed 3, 2026-11-26: 0.3365 and 0.3364; with today's defaults 0.3467 and 0.3295), and R is
-about 1 % of the stream it joins (0.011; today 0.95). Take-off is abrupt and seed-dependent, so
-the gap asked for is half the one measured at this seed."""
+(seed 3, 2026-11-26: 0.4244 and 0.4244; with today's defaults 0.4489 and 0.3924), and R is
+about 1 % of the stream it joins (0.008; today 0.97). Take-off is abrupt and seed-dependent, so
+the gap asked for is a third of the one measured at this seed."""
 import json
 import os
 import sys
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import latent_probe  # noqa: E402
 
 RUN = ["--n-layer", "2", "--d-model", "256", "--n-head", "4", "--latent-bits", "8", "--kappa-bits", "2",
-       "--lr", "3e-3", "--batch", "32", "--steps", "300", "--eval-every", "300", "--eval-rows", "256",
-       "--demo-batches", "0", "--seed", "3", "--device", "cpu"]
+       "--lr", "3e-3", "--batch", "16", "--steps", "300", "--stop-after", "100", "--eval-every", "100",
+       "--eval-rows", "256", "--demo-batches", "0", "--seed", "3", "--device", "cpu"]
 
 
 def test_decoder_reads_z_at_width_256(tmp_path):
@@ -35,10 +35,10 @@ def test_decoder_reads_z_at_width_256(tmp_path):
     finally:
         torch.set_num_threads(threads)
     rec = json.loads(out.read_text().splitlines()[-1])
-    assert rec["step"] == 300
+    assert rec["step"] == 100
     assert rec["val_r_rms_ratio"] > 0.5, rec          # R is not drowned by the stream it joins
-    # Z from the prior instead of the encoder costs the decoder CE: it reads Z (0.017 measured)
-    assert rec["val_prior_ce"] - rec["val_ce"] > 0.008, rec
+    # Z from the prior instead of the encoder costs the decoder CE: it reads Z (0.057 measured)
+    assert rec["val_prior_ce"] - rec["val_ce"] > 0.02, rec
 
 
 def test_encoder_hears_the_decoder_at_h16_as_at_h4():
