@@ -122,8 +122,8 @@ echo "run directory: ${RUN_DIR}"
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # Hang diagnosis: PyTorch's flight recorder keeps each rank's last collectives in a ring buffer
 # and NCCL's watchdog dumps it into RUN_DIR/flight_recorder/rank_<r> when a collective times out
-# (the trainer's process-group timeout is 30 minutes); the README (Troubleshooting, "Hangs")
-# says how to read the dumps. The trainer makes the directory. TORCH_FR_BUFFER_SIZE=0 turns it off; the
+# (the trainer's process-group timeout is 30 minutes); the README (Troubleshooting, "Hangs or
+# NCCL timeouts in training") says how to read the dumps. The trainer makes the directory. TORCH_FR_BUFFER_SIZE=0 turns it off; the
 # TORCH_NCCL_* names are what releases before the TORCH_FR_* ones read.
 FR_PREFIX="$(realpath -m "${RUN_DIR}")/flight_recorder/rank_"
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
