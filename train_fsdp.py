@@ -346,26 +346,6 @@ def setup_distributed(cfg):
                     backend=backend, owner=owner, control=control)
 
 
-def flight_recorder_env(run_dir):
-    """PyTorch's flight recorder, for hangs: every rank keeps its last FR_ENTRIES collectives in a
-    ring buffer, and NCCL's watchdog writes it to RUN_DIR/flight_recorder/rank_<r> when a
-    collective times out (after the process group's 30 minutes). Read them with
-    `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder` (README).
-    Both names of each setting: releases before the TORCH_FR_* names read the TORCH_NCCL_* ones."""
-    prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
-    return {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_ENTRIES),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
-
-
-def flight_recorder_dumps():
-    """The path prefix of the flight recorder's dump files when it is on (set by --debug or
-    slurm_submit.sh), else None."""
-    if os.environ.get("TORCH_FR_BUFFER_SIZE", "0") in ("", "0"):
-        return None
-    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None
-
-
 def hybrid_shard_size(cfg, topo):
     """Processes per shard group for HYBRID_SHARD*: the flag, or the processes of one node."""
     return cfg.fsdp.hybrid_shard_size or topo.local_world
@@ -401,6 +381,36 @@ def any_rank_error(error, topo):
 # =============================================================================================
 # Distributed choices: one function per concern, each branching on the strategy. Nothing else
 # reads cfg.train.strategy; a new strategy is one more branch in each.
+
+
+def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
+    """The model on its device as FSDP1 or FSDP2 units (shard_units), DDP or plain, with
+    activation checkpointing of every ac_every-th block and torch.compile. A model built on the
+    meta device (--meta-init) is materialised and initialised here (init_fn: the model's
+    per-module initialisation)."""
+    f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
+    blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
+    units = shard_units(model, wrap_classes, cfg)
+    if strategy == "fsdp2":
+        return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
+    if strategy == "fsdp":
+        model = FSDP(model, **fsdp_kwargs(cfg, units, topo, init_fn))
+    else:
+        if any(p.is_meta for p in model.parameters()):  # --meta-init that resolve_strategy made DDP
+            order = init_order(model, units)
+            model.to_empty(device=device)
+            init_weights(order, init_fn)
+        if strategy == "ddp":
+            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+            model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        else:
+            model = model.to(device)
+    if f.activation_checkpointing:
+        checkpoint_blocks(model, blocks[::f.ac_every])
+    if cfg.train.compile:
+        model = torch.compile(model)
+    return model
 
 
 def device_mesh(cfg, topo):
@@ -487,36 +497,6 @@ def init_weights(order, init_fn):
             m._parameters.update(own)
         for n, p in own.items():
             p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
-
-
-def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """The model on its device as FSDP1 or FSDP2 units (shard_units), DDP or plain, with
-    activation checkpointing of every ac_every-th block and torch.compile. A model built on the
-    meta device (--meta-init) is materialised and initialised here (init_fn: the model's
-    per-module initialisation)."""
-    f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
-    blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
-    units = shard_units(model, wrap_classes, cfg)
-    if strategy == "fsdp2":
-        return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
-    if strategy == "fsdp":
-        model = FSDP(model, **fsdp_kwargs(cfg, units, topo, init_fn))
-    else:
-        if any(p.is_meta for p in model.parameters()):  # --meta-init that resolve_strategy made DDP
-            order = init_order(model, units)
-            model.to_empty(device=device)
-            init_weights(order, init_fn)
-        if strategy == "ddp":
-            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
-            model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
-        else:
-            model = model.to(device)
-    if f.activation_checkpointing:
-        checkpoint_blocks(model, blocks[::f.ac_every])
-    if cfg.train.compile:
-        model = torch.compile(model)
-    return model
 
 
 def checkpoint_blocks(model, chosen):
@@ -1117,6 +1097,21 @@ def async_save_done(pending, topo, wait=False):
     return flags[0].item() == 0
 
 
+def finish_background_save(pending, c, topo, log, wait=False):
+    """On every rank at a step boundary: publish a --async-save checkpoint once every rank has
+    written it (wait: first wait for this rank's write). Returns the save still under way, or None."""
+    if pending is None:
+        return None
+    t0 = time.perf_counter()
+    if not async_save_done(pending, topo, wait=wait):
+        return pending
+    publish_everywhere(pending.path, pending.meta, c, topo)
+    waited = f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""
+    log.line(f"saved {pending.path} in the background, {time.perf_counter() - pending.started:.1f} s after it "
+             f"was staged{waited}")
+    return None
+
+
 def follow_marker(path):
     """RUN/checkpoints/latest or RUN/checkpoints/best (a file holding a checkpoint's name) ->
     that checkpoint's directory; any other path unchanged."""
@@ -1387,6 +1382,26 @@ def export_checkpoint(path):
 
 # =============================================================================================
 # Run directory and logging
+
+
+def flight_recorder_env(run_dir):
+    """PyTorch's flight recorder, for hangs: every rank keeps its last FR_ENTRIES collectives in a
+    ring buffer, and NCCL's watchdog writes it to RUN_DIR/flight_recorder/rank_<r> when a
+    collective times out (after the process group's 30 minutes). Read them with
+    `python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/flight_recorder` (README).
+    Both names of each setting: releases before the TORCH_FR_* names read the TORCH_NCCL_* ones."""
+    prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
+    return {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_ENTRIES),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def flight_recorder_dumps():
+    """The path prefix of the flight recorder's dump files when it is on (set by --debug or
+    slurm_submit.sh), else None."""
+    if os.environ.get("TORCH_FR_BUFFER_SIZE", "0") in ("", "0"):
+        return None
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None
 
 
 # A resume may not change what the run computes; other changes (logging, max_steps, FSDP
@@ -1880,6 +1895,22 @@ def resolve_config(cfg, topo, data):
 # main
 
 
+def restore_state(resume, model, optimizer, scaler, cfg, topo, log):
+    """Resume from a checkpoint, or take the weights of --init-from, or neither. Returns (step,
+    tokens seen)."""
+    if resume:
+        t0 = time.perf_counter()
+        resume, meta = load_resume_checkpoint(resume, model, optimizer, scaler, cfg, topo, log)
+        log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, saved by "
+                 f"{meta['world_size']} processes" +
+                 ("" if meta["world_size"] == topo.world else "; RNG streams re-seeded for the new world size") + ")")
+        return meta["step"], meta["tokens_seen"]
+    if cfg.checkpoint.init_from:
+        init_weights_from(cfg.checkpoint.init_from, model)
+        log.line(f"initialised the weights from {cfg.checkpoint.init_from} (fresh optimizer, step 0)")
+    return 0, 0
+
+
 def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dataset=load_dataset):
     """One run, in the order of the file: config, distributed setup, data, model, wrapping,
     optimizer, loop, checkpoints, exit. The seams are arguments (tests/test_seams.py passes its own)."""
@@ -1924,19 +1955,9 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, decay_names)
     scaler = grad_scaler(cfg, topo.device)
 
-    start_step, tokens_seen = 0, 0
     for note in notes:
         log.line(note)
-    if resume:
-        t0 = time.perf_counter()
-        resume, meta = load_resume_checkpoint(resume, model, optimizer, scaler, cfg, topo, log)
-        start_step, tokens_seen = meta["step"], meta["tokens_seen"]
-        log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {start_step}, saved by "
-                 f"{meta['world_size']} processes" +
-                 ("" if meta["world_size"] == topo.world else "; RNG streams re-seeded for the new world size") + ")")
-    elif c.init_from:
-        init_weights_from(c.init_from, model)
-        log.line(f"initialised the weights from {c.init_from} (fresh optimizer, step 0)")
+    start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, log)
     log_summary(log, cfg, topo, plan, params, data.n_val)
 
     profiler = start_profiler(cfg, rank)
@@ -1985,11 +2006,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 check_finite(first_bad)
                 log.step(meter.record(step + 1, totals, lr, grad_norm, tokens_seen), sorted(totals))
                 meter.reset()
-            if pending and async_save_done(pending, topo):  # publish a background save once all ranks wrote it
-                publish_everywhere(pending.path, pending.meta, c, topo)
-                log.line(f"saved {pending.path} in the background, {time.perf_counter() - pending.started:.1f} s "
-                         "after it was staged")
-                pending = None
+            pending = finish_background_save(pending, c, topo, log)
             save_due = (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final)
             # --keep-best compares checkpoints by the validation loss of their step: a save is evaluated
             # first (not a stop's: the time before the kill is short).
@@ -2003,12 +2020,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
             if save_due or stop.item():
                 check_finite(first_bad)  # never save a state that has seen a non-finite loss
                 t0 = time.perf_counter()
-                if pending:  # one background save at a time, published in order: wait for it
-                    async_save_done(pending, topo, wait=True)
-                    publish_everywhere(pending.path, pending.meta, c, topo)
-                    log.line(f"saved {pending.path} in the background; waited {time.perf_counter() - t0:.1f} s "
-                             "for its end")
-                    pending = None
+                pending = finish_background_save(pending, c, topo, log, wait=True)  # one at a time, in order
                 meta = checkpoint_meta(cfg, step + 1, tokens_seen, data.tokenizer_path, scaler, topo.world,
                                        val_loss=val["loss"] if evaluated == step + 1 else None)
                 path, t1 = checkpoint_path(run_dir, step + 1), time.perf_counter()
@@ -2024,11 +2036,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                 raise Preempted(f"{stop_reason(stop.item())} at step {step + 1}: checkpoint saved, "
                                 f"exiting with code {EXIT_PREEMPTED}; run the same command with --out-dir "
                                 f"{run_dir} to resume")
-        if pending:  # --no-save-final: the last background save is waited for and published
-            async_save_done(pending, topo, wait=True)
-            publish_everywhere(pending.path, pending.meta, c, topo)
-            log.line(f"saved {pending.path} in the background")
-            pending = None
+        pending = finish_background_save(pending, c, topo, log, wait=True)  # --no-save-final: the last one
     finally:
         if pending:  # stopped by an error: let the write end before the process groups are destroyed
             pending.future.exception()
