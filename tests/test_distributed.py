@@ -333,12 +333,14 @@ def test_meta_init_is_world_size_independent(single, two):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
 
 
-def test_free_transformer_fsdp_equals_ddp(two):
+@pytest.mark.parametrize("run, run_ac", [("free_fsdp", "free_fsdp_ac"), ("fsdp2_free", "fsdp2_free_ac")])
+def test_free_transformer_fsdp_equals_ddp(two, run, run_ac):
     """Z is sampled per rank, so compare at the same world size; the post-sampler weight is
-    sharded by FSDP and its update must match DDP's."""
-    assert_same_run(two["free_fsdp"], two["free_ddp"])
-    assert_same_run(two["free_fsdp_ac"], two["free_ddp"])
-    a = torch.load(os.path.join(two["free_fsdp"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    sharded by FSDP1 / FSDP2 and its update must match DDP's. FSDP2's runs also use forward
+    prefetch, and activation checkpointing under SHARD_GRAD_OP."""
+    assert_same_run(two[run], two["free_ddp"])
+    assert_same_run(two[run_ac], two["free_ddp"])
+    a = torch.load(os.path.join(two[run][2], "checkpoints", "step_0000005", "model.pt"))["model"]
     b = torch.load(os.path.join(two["free_ddp"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
     torch.testing.assert_close(a["latent.post_sampler"], b["latent.post_sampler"], rtol=1e-4, atol=1e-6)
 
@@ -503,16 +505,6 @@ def test_fsdp2_tied_embeddings_stay_in_one_unit(single, two):
     assert torch.equal(final["tok_emb.weight"], final["lm_head.weight"])
     losses = two["fsdp2_tied_meta"][0]
     assert losses[-1] < losses[0] and losses != two["fsdp2_gqa_tied"][0]
-
-
-def test_fsdp2_free_transformer_equals_ddp(two):
-    """Z is sampled per rank, so compare at the same world size, with forward prefetch, and with
-    activation checkpointing under SHARD_GRAD_OP."""
-    assert_same_run(two["fsdp2_free"], two["free_ddp"])
-    assert_same_run(two["fsdp2_free_ac"], two["free_ddp"])
-    a = torch.load(os.path.join(two["fsdp2_free"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    b = torch.load(os.path.join(two["free_ddp"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    torch.testing.assert_close(a["latent.post_sampler"], b["latent.post_sampler"], rtol=1e-4, atol=1e-6)
 
 
 def test_fsdp2_forward_prefetch_follows_the_run_order(two):
