@@ -549,9 +549,9 @@ def fsdp_kwargs(cfg, units, topo, init_fn):
 def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
     """FSDP2. Activation checkpointing, then torch.compile of each block (torchtitan's order),
     then fully_shard on each unit bottom-up and on the root. FULL_SHARD and HYBRID_SHARD reshard
-    after forward (the root too, as FSDP1 does), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep the
-    gathered parameters until backward. A meta-device model is sharded on the meta device, then
-    allocated (to_empty) and initialised (init_weights)."""
+    after forward (except the last block and the root, needed first in backward), SHARD_GRAD_OP
+    and _HYBRID_SHARD_ZERO2 keep the gathered parameters until backward. A meta-device model is
+    sharded on the meta device, then allocated (to_empty) and initialised (init_weights)."""
     f = cfg.fsdp
     order = init_order(model, units)  # before the wrappers below change the module tree
     outer = {b: b for b in blocks}  # the outermost module standing for each block
@@ -563,14 +563,19 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
             parent, name = parents[outer[b]]
             outer[b] = torch.compile(outer[b])
             parent.register_module(name, outer[b])
-    kw = dict(mesh=topo.mesh, reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+    kw = dict(mesh=topo.mesh,
               mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype]))
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+    reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     sharded = [outer.get(u, u) for u in units]
+    last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
-        fully_shard(m, **kw)
-    fully_shard(model, **kw)
+        # The last block runs last in forward and first in backward: resharding it would free
+        # parameters only to gather them again at once (torchtitan keeps it gathered too).
+        fully_shard(m, reshard_after_forward=reshard and m is not last, **kw)
+    # The root (embedding, final norm, LM head) likewise: FSDP2's own default for the root.
+    fully_shard(model, reshard_after_forward=False, **kw)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu" if f.cpu_offload else topo.device)
         init_weights(order, init_fn)
@@ -739,7 +744,8 @@ def describe_strategy(cfg):
         return headline, notes
     if t.strategy == "fsdp2":
         reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}) wrap={f.auto_wrap}"
+        headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}"
+                    f"{' except the root and last block' if reshard else ''}) wrap={f.auto_wrap}"
                     f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
                     f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}")
         ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in FSDP2_IGNORED]
