@@ -1006,9 +1006,18 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
         fsync_path(os.path.join(tmp, f"rng_rank{rank}.pt"))
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
-        error = f"rank {rank}: {type(e).__name__}: {e}"
+        error = error_text(e, rank)
     stop_if_save_failed(error, path, meta, topo)
     return publish_everywhere(path, meta, c, topo)
+
+
+def error_text(e, rank):
+    """`rank R: Type: message` of an exception raised on `rank`. DCP's CheckpointException names
+    only the failing ranks in its first line: the cause (e.g. OSError: No space left on device) is
+    the first failing rank's own error, which every rank receives."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (e, _) = next(iter(e.failures.items()))
+    return f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
 
 
 def save_failed(meta, error):
@@ -1068,26 +1077,45 @@ class PendingSave:
     started: float  # time.perf_counter() when it was handed over
 
 
-def start_async_save(path, meta, model, optimizer, topo, group):
+@dataclass(frozen=True)
+class AsyncSaver:
+    """What --async-save keeps for the whole run (async_saver)."""
+
+    group: object  # a gloo group of the background writer's own
+    writer: object  # one DCP writer for every save: it also stages the state to host memory
+
+
+def async_saver(c, topo):
+    """--async-save's pieces, made once per run on every rank (None without it). The writer's
+    collectives run in another thread: on training's group they could interleave with training's,
+    so they get a gloo group of their own. On a GPU the writer keeps a pinned host copy of this
+    rank's state between saves (allocated at the first): later saves stage at copy speed instead
+    of page-faulting in fresh host memory (1b on one H100: BENCHMARKS.md)."""
+    if not (c.async_save and c.save_every):
+        return None
+    return AsyncSaver(dist.new_group(backend="gloo"),
+                      dcp.FileSystemWriter(".",  # each save names its own directory (checkpoint_id)
+                                           cache_staged_state_dict=topo.device.type == "cuda"))
+
+
+def start_async_save(path, meta, model, optimizer, topo, saver):
     """--async-save: on every rank, stage the sharded model and optimizer state to CPU and hand
     them to DCP's background writer (dcp.async_save), which returns once the copy is made, so
-    training may change the weights at once. `group`: a gloo group of the writer's own: its
-    collectives run in another thread and must not interleave with training's on the same group.
-    The RNG states are written here, synchronously (they are small). async_save_done, then
-    publish_everywhere, finish it at a later step boundary."""
+    training may change the weights at once (the previous save has ended: one at a time, so the
+    writer's staged copy is free to reuse). The RNG states are written here, synchronously (they
+    are small). async_save_done, then publish_everywhere, finish it at a later step boundary."""
     tmp, error, future = make_staging_dir(path, meta, topo), None, None
     try:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        # Given the writer, DCP stages through it (a blocking copy to CPU that handles FSDP1's
-        # ShardedTensors as well as DTensors; its default stager fails on ShardedTensors).
-        writer = dcp.FileSystemWriter(os.path.join(tmp, "dcp"))
-        future = dcp.async_save(state, storage_writer=writer, process_group=group)
+        # Given the writer, DCP stages through it: a blocking copy to host memory.
+        future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "dcp"), storage_writer=saver.writer,
+                                process_group=saver.group)
         # Releases that stage in the background as well return a pair of futures: the write's is the one.
         future = getattr(future, "upload_completion", future)
         torch.save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
         fsync_path(os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
     except (Exception, CheckpointException) as e:
-        error = f"rank {topo.rank}: {type(e).__name__}: {e}"
+        error = error_text(e, topo.rank)
     stop_if_save_failed(error, path, meta, topo)
     return PendingSave(path, meta, future, time.perf_counter())
 
@@ -1100,7 +1128,7 @@ def async_save_done(pending, topo, wait=False):
         pending.future.exception()  # blocks until the write has ended, whatever its outcome
     done = pending.future.done()
     e = pending.future.exception() if done else None
-    error = f"rank {topo.rank}: {type(e).__name__}: {e}" if e is not None else None
+    error = error_text(e, topo.rank) if e is not None else None
     flags = torch.tensor([int(not done), int(error is not None)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topo.control)
     if flags[1].item():
@@ -1981,8 +2009,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     # one endless line, and the log lines there carry the same numbers.
     bar = tqdm(total=plan.max_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(),
                dynamic_ncols=True, desc="train")
-    # --async-save: the background writer's collectives get a gloo group of their own (see start_async_save).
-    save_group = dist.new_group(backend="gloo") if c.async_save and c.save_every else None
+    saver = async_saver(c, topo)
     pending, evaluated = None, None  # the background save under way; the step last evaluated
     val = {}
     if start_step >= plan.max_steps:  # every rank: evaluation is collective
@@ -2036,7 +2063,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                                        val_loss=val["loss"] if evaluated == step + 1 else None)
                 path, t1 = checkpoint_path(run_dir, step + 1), time.perf_counter()
                 if c.async_save and not (last or stop.item()):  # a stop or the end: synchronous, below
-                    pending = start_async_save(path, meta, model, optimizer, topo, save_group)
+                    pending = start_async_save(path, meta, model, optimizer, topo, saver)
                     log.line(f"staged {path} in {time.perf_counter() - t1:.1f} s; writing it in the background")
                 else:
                     save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=last)
