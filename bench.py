@@ -57,6 +57,9 @@ FSDP2 = ["--strategy", "fsdp2"]
 # compiled, micro-batch 16 per GPU.
 SMALL = ["--arch", "baseline", "--n-layer", "6", "--d-model", "384", "--n-head", "6", "--seq-len", "256",
          "--tokenizer-vocab-size", "256", "--compile"]
+# The whole model as one FSDP unit (the size rule with a threshold above the model's size): one
+# gather and one reduce-scatter a step instead of one per block.
+ONE_UNIT = ["--auto-wrap", "size", "--min-num-params", "100000000"]
 
 
 def width_4096(n_layer):
@@ -82,9 +85,13 @@ def suite(name, ngpu):
         return [("small none 1 GPU", 1, SMALL + one + ["--strategy", "none"], 40, 10),
                 ("small fsdp 1 GPU", 1, SMALL + one, 40, 10),
                 ("small fsdp2 1 GPU", 1, SMALL + one + FSDP2, 40, 10),
+                ("small fsdp one unit 1 GPU", 1, SMALL + one + ONE_UNIT, 40, 10),
+                ("small fsdp2 one unit 1 GPU", 1, SMALL + one + FSDP2 + ONE_UNIT, 40, 10),
                 ("small ddp", ngpu, SMALL + many + ["--strategy", "ddp"], 40, 10),
                 ("small fsdp", ngpu, SMALL + many, 40, 10),
                 ("small fsdp2", ngpu, SMALL + many + FSDP2, 40, 10),
+                ("small fsdp one unit", ngpu, SMALL + many + ONE_UNIT, 40, 10),
+                ("small fsdp2 one unit", ngpu, SMALL + many + FSDP2 + ONE_UNIT, 40, 10),
                 ("small fsdp2 SHARD_GRAD_OP", ngpu, SMALL + many + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"],
                  40, 10)]
     if name == "multi":
@@ -111,14 +118,18 @@ def suite(name, ngpu):
                                                                  str(8 * ngpu)], 10)]
         return runs
     if name == "tune":
-        one = ["--global-batch", "8", "--micro-batch", "8", "--compile"]
-        twelve = ["--global-batch", "12", "--micro-batch", "12", "--compile"]
-        return [("1b baseline compile", 1, ONE_B + one, 14),
-                ("1b baseline compile micro 12", 1, ONE_B + twelve, 14),
-                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14),
-                ("1b baseline compile fsdp2", 1, ONE_B + one + FSDP2, 14),
-                ("1b baseline compile micro 12 fsdp2", 1, ONE_B + twelve + FSDP2, 14),
-                ("1b free compile fsdp2", 1, ONE_B + one + ["--arch", "free"] + FSDP2, 14)]
+        def micro(n):
+            return ["--global-batch", str(n), "--micro-batch", str(n), "--compile"]
+        return [("1b baseline compile", 1, ONE_B + micro(8), 14),
+                ("1b baseline compile micro 12", 1, ONE_B + micro(12), 14),
+                ("1b baseline compile micro 16", 1, ONE_B + micro(16), 14),
+                ("1b free compile", 1, ONE_B + micro(8) + ["--arch", "free"], 14),
+                ("1b baseline compile fsdp2", 1, ONE_B + micro(8) + FSDP2, 14),
+                ("1b baseline compile fsdp2 SHARD_GRAD_OP", 1, ONE_B + micro(8) + FSDP2 + ["--sharding-strategy",
+                                                                                         "SHARD_GRAD_OP"], 14),
+                ("1b baseline compile micro 12 fsdp2", 1, ONE_B + micro(12) + FSDP2, 14),
+                ("1b baseline compile micro 16 fsdp2", 1, ONE_B + micro(16) + FSDP2, 14),
+                ("1b free compile fsdp2", 1, ONE_B + micro(8) + ["--arch", "free"] + FSDP2, 14)]
     if name == "knobs":
         return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
                 ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
