@@ -156,8 +156,8 @@ class CheckpointConfig:
     keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (named by checkpoints/best, "
                           "never pruned); each --save-every and final save is then evaluated first")
     async_save: bool = opt(False, "write the --save-every checkpoints in the background (DCP async_save: staged to "
-                           "CPU, published at a later step once every rank has written); stop and final saves "
-                           "stay synchronous")
+                           "CPU, on a GPU into a pinned host copy of the rank's state kept for the run; published at "
+                           "a later step once every rank has written); stop and final saves stay synchronous")
     full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
     resume: str = opt("auto", "auto: continue from the run directory's latest complete checkpoint; never: "
                       "refuse a run directory that holds a run; or a checkpoint directory to continue from")
@@ -242,10 +242,12 @@ def compute_loss(model, x, y, cfg):
     is compiled too: the cross-entropy over the vocabulary runs fused instead of writing fp32
     copies of the logits."""
     logits, latent = model(x)
-    return (compiled_lm_loss if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
+    return (compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
 
 
-compiled_lm_loss = torch.compile(model_lib.lm_loss)  # compiles at its first call
+@functools.cache
+def compiled_lm_loss():
+    return torch.compile(model_lib.lm_loss)  # made on first use: torch.compile loads dynamo (~1 s)
 
 
 @typing.runtime_checkable
@@ -745,7 +747,8 @@ def describe_strategy(cfg):
     if t.strategy == "fsdp2":
         reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}"
-                    f"{' except the root and last block' if reshard else ''}) wrap={f.auto_wrap}"
+                    f"{(' except the root' + (' and last block' if f.auto_wrap != 'size' else '')) if reshard else ''}"
+                    f") wrap={f.auto_wrap}"
                     f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
                     f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}")
         ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in FSDP2_IGNORED]

@@ -136,3 +136,5 @@ def test_describe_fsdp2():
     assert headline.startswith("strategy fsdp2 SHARD_GRAD_OP (reshard_after_forward=False)") and notes == []
     headline, _ = train_fsdp.describe_strategy(train_fsdp.parse_config(["--strategy", "fsdp2"]))
     assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root and last block)")
+    headline, _ = train_fsdp.describe_strategy(train_fsdp.parse_config(["--strategy", "fsdp2", "--auto-wrap", "size"]))
+    assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root) wrap=size")
