@@ -569,7 +569,7 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
               mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype]))
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
-    reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    reshard = fsdp2_reshards(f)
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
@@ -584,6 +584,12 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
     if f.forward_prefetch:
         forward_prefetch_in_run_order(model, sharded)
     return model
+
+
+def fsdp2_reshards(f):
+    """FSDP2's reshard_after_forward for the units (FULL_SHARD and HYBRID_SHARD; the ZeRO-2
+    strategies keep the gathered parameters until backward)."""
+    return f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
 
 def forward_prefetch_in_run_order(root, units):
@@ -745,7 +751,7 @@ def describe_strategy(cfg):
                          "(norm weights too); pass --use-orig-params to exempt 1-D weights")
         return headline, notes
     if t.strategy == "fsdp2":
-        reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        reshard = fsdp2_reshards(f)
         headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}"
                     f"{(' except the root' + (' and last block' if f.auto_wrap != 'size' else '')) if reshard else ''}"
                     f") wrap={f.auto_wrap}"
@@ -974,6 +980,19 @@ def write_text_atomic(path, text):
     os.replace(path + ".tmp", path)
 
 
+def sharded_state(model, optimizer):
+    """What a sharded checkpoint's dcp/ holds, to save or to load into: the model's and the
+    optimizer's state dicts (each rank its shards under FSDP; collectives)."""
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def write_rng_state(tmp, rank):
+    """This rank's RNG states into the checkpoint being written in `tmp`, on disk before it returns."""
+    path = os.path.join(tmp, f"rng_rank{rank}.pt")
+    torch.save(rng_state(), path)
+    fsync_path(path)
+
+
 def rng_state():
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -995,7 +1014,7 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
     error = None
     try:
         if meta["type"] == "sharded":
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            state = sharded_state(model, optimizer)
             dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
         if meta["type"] == "full" or consolidate:
             opts = state_dict_options("save", topo.device)
@@ -1005,8 +1024,7 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
             if rank == 0:
                 torch.save(full, os.path.join(tmp, "model.pt"))
                 fsync_path(os.path.join(tmp, "model.pt"))
-        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-        fsync_path(os.path.join(tmp, f"rng_rank{rank}.pt"))
+        write_rng_state(tmp, rank)
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
         error = error_text(e, rank)
@@ -1109,14 +1127,13 @@ def start_async_save(path, meta, model, optimizer, topo, saver):
     are small). async_save_done, then publish_everywhere, finish it at a later step boundary."""
     tmp, error, future = make_staging_dir(path, meta, topo), None, None
     try:
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = sharded_state(model, optimizer)
         # Given the writer, DCP stages through it: a blocking copy to host memory.
         future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "dcp"), storage_writer=saver.writer,
                                 process_group=saver.group)
         # Releases that stage in the background as well return a pair of futures: the write's is the one.
         future = getattr(future, "upload_completion", future)
-        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
-        fsync_path(os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
+        write_rng_state(tmp, topo.rank)
     except (Exception, CheckpointException) as e:
         error = error_text(e, topo.rank)
     stop_if_save_failed(error, path, meta, topo)
@@ -1288,7 +1305,7 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
     if meta["type"] == "sharded":
         # get_optimizer_state_dict initialises empty optimizer state first, so DCP has tensors to
         # load into even before the first step (otherwise resharding fails on missing keys).
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = sharded_state(model, optimizer)
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
