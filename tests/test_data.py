@@ -142,18 +142,22 @@ def test_synthetic_rejects_other_seq_len():
 # --- batch order ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("step", [0, 3, 7])
-def test_rank_slices_union_equals_the_global_batch(step):
-    global_batch = 12
-    whole = indexed_dataset(50).train_batch(step, global_batch, 0, global_batch)
+def assert_rank_slices_make_the_global_batch(make, step, global_batch, keys):
+    """At world sizes 1, 2 and 4, the ranks' slices of step `step` (each rank its own dataset from
+    `make`) are disjoint (`keys(x)`: the rows' identities) and concatenate to the global batch."""
+    whole = make().train_batch(step, global_batch, 0, global_batch)
     for world in (1, 2, 4):
         per_rank = global_batch // world
-        slices = [indexed_dataset(50).train_batch(step, global_batch, r * per_rank, per_rank) for r in range(world)]
-        ids = [row_ids(x) for x, _ in slices]
-        flat = [i for rank in ids for i in rank]
+        slices = [make().train_batch(step, global_batch, r * per_rank, per_rank) for r in range(world)]
+        flat = [k for x, _ in slices for k in keys(x)]
         assert len(set(flat)) == len(flat)  # disjoint across ranks
         assert torch.equal(torch.cat([x for x, _ in slices]), whole[0])
         assert torch.equal(torch.cat([y for _, y in slices]), whole[1])
+
+
+@pytest.mark.parametrize("step", [0, 3, 7])
+def test_rank_slices_union_equals_the_global_batch(step):
+    assert_rank_slices_make_the_global_batch(lambda: indexed_dataset(50), step, 12, row_ids)
 
 
 def test_step_addressing_matches_iterating():
@@ -241,15 +245,7 @@ def test_text_window_shifts_depend_on_the_seed():
 
 @pytest.mark.parametrize("step", [1, 2, 5, 9])  # 2 and 5 straddle epoch boundaries (10 and 19 rows)
 def test_shifted_windows_are_identical_for_any_world_size_and_disjoint_across_ranks(step):
-    global_batch = 4
-    whole = text_dataset(84).train_batch(step, global_batch, 0, global_batch)
-    for world in (1, 2, 4):
-        per_rank = global_batch // world
-        slices = [text_dataset(84).train_batch(step, global_batch, r * per_rank, per_rank) for r in range(world)]
-        starts = [s for x, _ in slices for s in x[:, 0].tolist()]
-        assert len(set(starts)) == len(starts)  # disjoint across ranks
-        assert torch.equal(torch.cat([x for x, _ in slices]), whole[0])
-        assert torch.equal(torch.cat([y for _, y in slices]), whole[1])
+    assert_rank_slices_make_the_global_batch(lambda: text_dataset(84), step, 4, lambda x: x[:, 0].tolist())
 
 
 def test_shifted_windows_resume_exactly():

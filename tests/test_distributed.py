@@ -323,14 +323,19 @@ def test_other_fsdp_knobs_change_no_loss(single, two):
     assert_same_run(two["flat_params"], two["flat_params_ref"])
 
 
-def test_meta_init_is_world_size_independent(single, two):
-    """Units are materialised and initialised in the same order on every rank and world size."""
-    assert_same_run(two["meta2"], single["meta1"])
-    a = torch.load(os.path.join(two["meta2"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    b = torch.load(os.path.join(single["meta1"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+def assert_same_run_and_weights(run, ref):
+    """Equal losses, and equal final weights (the consolidated model.pt of step 5)."""
+    assert_same_run(run, ref)
+    a = torch.load(os.path.join(run[2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    b = torch.load(os.path.join(ref[2], "checkpoints", "step_0000005", "model.pt"))["model"]
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_meta_init_is_world_size_independent(single, two):
+    """Units are materialised and initialised in the same order on every rank and world size."""
+    assert_same_run_and_weights(two["meta2"], single["meta1"])
 
 
 @pytest.mark.parametrize("run, run_ac", [("free_fsdp", "free_fsdp_ac"), ("fsdp2_free", "fsdp2_free_ac")])
@@ -489,12 +494,7 @@ def test_state_dicts_hold_dtensors_under_fsdp1_and_fsdp2(two):
 def test_fsdp2_meta_init_equals_fsdp1_meta_init(single, two):
     """Sharded on the meta device, then each module initialised on full-size tensors in FSDP1's
     order, each rank keeping its shard: the weights of one FSDP1 process, at any world size."""
-    assert_same_run(two["fsdp2_meta"], single["meta1"])
-    a = torch.load(os.path.join(two["fsdp2_meta"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    b = torch.load(os.path.join(single["meta1"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    assert_same_run_and_weights(two["fsdp2_meta"], single["meta1"])
 
 
 def test_fsdp2_tied_embeddings_stay_in_one_unit(single, two):
