@@ -4,20 +4,25 @@
 # at steps 4 and 8 of 11. Prints the seconds each save blocked training (the "saved"/"staged"
 # log lines), the median step time, the slowest step after a save and the whole run's wall time.
 # Usage: OUT=dir bash tests/gpu_save_times.sh [size]   (size: 1b or 8b; 8b wants 4 GPUs)
+# MODES="sync async" skips the run without saves; LIMIT_S caps each run (default 300 s).
+# At 8b a checkpoint is ~87 GB (fp32 weights and AdamW state), so only the newest is kept.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 SIZE=${1:-1b}
+MODES=${MODES:-none sync async}
+LIMIT_S=${LIMIT_S:-300}
+KEEP=$([ "$SIZE" = 8b ] && echo 1 || echo 3)
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 NGPU=$(nvidia-smi -L | grep -c GPU)
 TR="python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU"
 ARGS="--size $SIZE --arch baseline --meta-init --dataset random --tokenizer-vocab-size 32000 --seq-len 2048
       --micro-batch 2 --global-batch $((2 * NGPU)) --log-every 1 --eval-every 0 --eval-samples 8 --max-steps 11
-      --no-save-final --overwrite --activation-checkpointing"
-for mode in none sync async; do
+      --no-save-final --overwrite --activation-checkpointing --keep-checkpoints $KEEP"
+for mode in $MODES; do
     run=/tmp/save-$SIZE-$mode
     case $mode in none) extra="--save-every 0";; sync) extra="--save-every 4";; async) extra="--save-every 4 --async-save";; esac
     t0=$SECONDS
-    $TR train_fsdp.py $ARGS $extra --out-dir $run > "$OUT/save_${SIZE}_$mode.log" 2>&1
+    timeout -k 20 "$LIMIT_S" $TR train_fsdp.py $ARGS $extra --out-dir $run > "$OUT/save_${SIZE}_$mode.log" 2>&1
     python3 - "$run" "$mode" "$SIZE" "$NGPU" "$((SECONDS - t0))" <<'PY'
 import json, re, statistics, sys
 run, mode, size, ngpu, wall = sys.argv[1:]
