@@ -129,6 +129,9 @@ def suite(name, ngpu):
                                                                                          "SHARD_GRAD_OP"], 14),
                 ("1b baseline compile micro 12 fsdp2", 1, ONE_B + micro(12) + FSDP2, 14),
                 ("1b baseline compile micro 16 fsdp2", 1, ONE_B + micro(16) + FSDP2, 14),
+                ("1b baseline compile micro 12 fsdp2 SHARD_GRAD_OP", 1,
+                 ONE_B + micro(12) + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"], 14),
+                ("1b baseline compile micro 12 fsdp2 one unit", 1, ONE_B + micro(12) + FSDP2 + ONE_UNIT, 14),
                 ("1b free compile fsdp2", 1, ONE_B + micro(8) + ["--arch", "free"] + FSDP2, 14)]
     if name == "knobs":
         return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),

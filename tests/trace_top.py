@@ -18,3 +18,4 @@ for path in sorted(glob.glob(sys.argv[1] + "/trace_rank*.json"))[:1]:
         print(f"== {cat} (ms over 3 steps)")
         for name, d in tot.most_common(25 if cat != "kernel" else 8):
             print(f"{d / 1000:8.2f}  {name}")
+        print(f"{sum(tot.values()) / 1000:8.2f}  total {cat}, {sum(e.get('cat') == cat for e in ev)} events")
