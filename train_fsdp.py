@@ -668,12 +668,21 @@ def grad_scaler(cfg, device):
     return torch.amp.GradScaler(device.type)
 
 
-def state_dict_options(purpose, device=None):
-    """Options of the consolidated (full) state dicts; the DCP helpers serve FSDP1, FSDP2, DDP
-    and one device alike. "save": gathered to rank 0 on CPU (cpu_offload); a CPU-only run skips
-    the offload: FSDP1 then frees the gathered storage before cloning it (a segfault, seen on
-    torch 2.13 with gloo), so every rank gathers instead. "load": every rank reads the whole
-    file. "init" (--init-from): keys the model does not have are left out."""
+def state_dict_options(purpose, device=None, strategy=None):
+    """Options of the state dicts; the DCP helpers serve FSDP1, FSDP2, DDP and one device alike.
+    "sharded save" (the dcp/ of a sharded checkpoint): FSDP1 builds each DTensor shard by
+    gathering a unit's state and cloning this rank's rows, so on a GPU the state dicts would hold
+    a second copy of the rank's weights and AdamW state in GPU memory for the whole save (+13 GiB
+    a GPU at 8b on 4 GPUs: a model that trains at the memory limit would die at its first save);
+    cpu_offload moves each shard to the host as it is made. FSDP2's shards are the parameters
+    and optimizer state themselves, and DDP's and one device's are whole tensors: no copy, left on
+    the GPU (--async-save stages them straight into its pinned copy).
+    "save": gathered to rank 0 on CPU (cpu_offload); a CPU-only run skips the offload: FSDP1 then
+    frees the gathered storage before cloning it (a segfault, seen on torch 2.13 with gloo), so
+    every rank gathers instead. "load": every rank reads the whole file. "init" (--init-from):
+    keys the model does not have are left out."""
+    if purpose == "sharded save":
+        return StateDictOptions(cpu_offload=strategy == "fsdp" and device.type == "cuda")
     if purpose == "save":
         return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
     return StateDictOptions(full_state_dict=True, strict=purpose != "init")
@@ -980,10 +989,11 @@ def write_text_atomic(path, text):
     os.replace(path + ".tmp", path)
 
 
-def sharded_state(model, optimizer):
+def sharded_state(model, optimizer, options=None):
     """What a sharded checkpoint's dcp/ holds, to save or to load into: the model's and the
     optimizer's state dicts (each rank its shards under FSDP; collectives)."""
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return {"model": get_model_state_dict(model, options=options),
+            "optim": get_optimizer_state_dict(model, optimizer, options=options)}
 
 
 def write_rng_state(tmp, rank):
@@ -1014,8 +1024,8 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
     error = None
     try:
         if meta["type"] == "sharded":
-            state = sharded_state(model, optimizer)
-            dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+            opts = state_dict_options("sharded save", topo.device, meta["config"]["train"]["strategy"])
+            dcp.save(sharded_state(model, optimizer, opts), checkpoint_id=os.path.join(tmp, "dcp"))
         if meta["type"] == "full" or consolidate:
             opts = state_dict_options("save", topo.device)
             full = consolidated_payload(get_model_state_dict(model, options=opts), meta)
@@ -1127,7 +1137,8 @@ def start_async_save(path, meta, model, optimizer, topo, saver):
     are small). async_save_done, then publish_everywhere, finish it at a later step boundary."""
     tmp, error, future = make_staging_dir(path, meta, topo), None, None
     try:
-        state = sharded_state(model, optimizer)
+        opts = state_dict_options("sharded save", topo.device, meta["config"]["train"]["strategy"])
+        state = sharded_state(model, optimizer, opts)
         # Given the writer, DCP stages through it: a blocking copy to host memory.
         future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "dcp"), storage_writer=saver.writer,
                                 process_group=saver.group)

@@ -30,8 +30,11 @@ recs = [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "loss" in r]
 steps = {r["step"]: r["step_time_s"] for r in recs}
 log = open(f"{run}/training_log.txt").read()
 blocked = [float(x) for x in re.findall(r"(?:saved|staged) \S+ in ([0-9.]+) s", log)]
+# An async save first waits for the previous background write (or, at the end, for the last).
+waited = [float(x) for x in re.findall(r"waited ([0-9.]+) s for its end", log)]
 after = [steps[s] for s in (5, 6, 9, 10) if s in steps]
-print(f"{size} {mode} ({ngpu} GPUs): blocked {blocked} s; median step {statistics.median(steps.values()):.3f} s; "
+print(f"{size} {mode} ({ngpu} GPUs): blocked {blocked} s; waited for a background write {waited} s; "
+      f"median step {statistics.median(steps.values()):.3f} s; "
       f"slowest step after a save {max(after) if after else 0:.3f} s; run wall {wall} s")
 PY
     rm -rf "$run"  # two checkpoints of a 1b run are 26 GB: three runs' would fill a 64 GB disk

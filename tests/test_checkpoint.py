@@ -1102,3 +1102,22 @@ def test_resume_from_weights_only_checkpoints_is_refused_not_treated_as_corrupte
     assert "holds no optimizer state" in line and "--init-from" in line, line
     assert "corrupted" not in again.stdout + again.stderr
     assert loss_steps(run_dir) == [1, 2, 3, 4]
+
+
+def test_only_fsdp1_on_a_gpu_offloads_the_state_of_a_sharded_save():
+    """FSDP1 builds each shard of a sharded state dict as a copy (a second copy of the rank's
+    weights and AdamW state on the GPU during a save): on a GPU it is moved to the host as it is
+    made. FSDP2's, DDP's and one device's state dicts are the tensors themselves: left alone."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert train_fsdp.state_dict_options("sharded save", cuda, "fsdp").cpu_offload
+    for device, strategy in [(cuda, "fsdp2"), (cuda, "ddp"), (cuda, "none"), (cpu, "fsdp"), (cpu, "fsdp2")]:
+        assert not train_fsdp.state_dict_options("sharded save", device, strategy).cpu_offload, (device, strategy)
+
+
+def test_fsdp1_sharded_state_offloaded_to_the_host_is_the_same_and_loads(tmp_path):
+    """What a GPU run's FSDP1 saves write (the sharded state built with cpu_offload) holds the
+    same DTensor shards and optimizer state as the state left in place, and a checkpoint written
+    from it loads back exactly into another model (2 gloo processes, tests/sharded_state_offload.py)."""
+    from test_fsdp2 import torchrun
+    res = torchrun(2, os.path.join("tests", "sharded_state_offload.py"), tmp_path / "ck")
+    assert "OK 16 tensors" in res.stdout, res.stdout[-2000:]

@@ -1,0 +1,71 @@
+"""FSDP1's sharded checkpoint state with cpu_offload (what a GPU run's saves use, see
+train_fsdp.state_dict_options) against the state dicts left where they are: the same DTensor
+shards, the same optimizer state, and a checkpoint written from them that loads back exactly.
+Run with torchrun --nproc_per_node=2 (gloo, CPU): prints OK on rank 0."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_fsdp  # noqa: E402
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = FSDP(net, device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"),
+                 auto_wrap_policy=lambda module, recurse, **_: recurse or isinstance(module, torch.nn.Linear))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 6)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def flat(state, prefix=""):
+    """{dotted key: tensor} of a nested state dict."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        elif torch.is_tensor(v):
+            out[f"{prefix}{k}"] = local(v)
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    model, optimizer = build(0)
+    plain = flat(train_fsdp.sharded_state(model, optimizer))
+    offloaded = flat(train_fsdp.sharded_state(model, optimizer, StateDictOptions(cpu_offload=True)))
+    assert plain.keys() == offloaded.keys() and len(plain) >= 10, sorted(plain)
+    for k in plain:
+        assert torch.equal(plain[k], offloaded[k]), k
+    path = sys.argv[1]
+    dcp.save(train_fsdp.sharded_state(model, optimizer, StateDictOptions(cpu_offload=True)), checkpoint_id=path)
+    other, other_opt = build(1)
+    state = train_fsdp.sharded_state(other, other_opt)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(other, state["model"])
+    set_optimizer_state_dict(other, other_opt, state["optim"])
+    loaded = flat(train_fsdp.sharded_state(other, other_opt))
+    for k in plain:
+        assert torch.equal(plain[k], loaded[k]), k
+    if dist.get_rank() == 0:
+        print(f"OK {len(plain)} tensors")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
