@@ -1117,7 +1117,9 @@ def test_only_fsdp1_on_a_gpu_offloads_the_state_of_a_sharded_save():
 def test_fsdp1_sharded_state_offloaded_to_the_host_is_the_same_and_loads(tmp_path):
     """What a GPU run's FSDP1 saves write (the sharded state built with cpu_offload) holds the
     same DTensor shards and optimizer state as the state left in place, and a checkpoint written
-    from it loads back exactly into another model (2 gloo processes, tests/sharded_state_offload.py)."""
+    from it loads back exactly into another model. And the reason: FSDP1's sharded state shares
+    no storage with its weights or AdamW moments (a copy), FSDP2's is those very tensors
+    (2 gloo processes, tests/sharded_state_offload.py)."""
     from test_fsdp2 import torchrun
     res = torchrun(2, os.path.join("tests", "sharded_state_offload.py"), tmp_path / "ck")
     assert "OK 16 tensors" in res.stdout, res.stdout[-2000:]
