@@ -156,8 +156,9 @@ class CheckpointConfig:
     keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (named by checkpoints/best, "
                           "never pruned); each --save-every and final save is then evaluated first")
     async_save: bool = opt(False, "write the --save-every checkpoints in the background (DCP async_save: staged to "
-                           "CPU, on a GPU into a pinned host copy of the rank's state kept for the run; published at "
-                           "a later step once every rank has written); stop and final saves stay synchronous")
+                           "CPU, on a GPU into a pinned host copy of the rank's state kept for the run, which FSDP1 "
+                           "fills from a second, passing host copy; published at a later step once every rank has "
+                           "written); stop and final saves stay synchronous")
     full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
     resume: str = opt("auto", "auto: continue from the run directory's latest complete checkpoint; never: "
                       "refuse a run directory that holds a run; or a checkpoint directory to continue from")
