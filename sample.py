@@ -76,6 +76,17 @@ def batch_stats(texts, letter):
     return mode_share, sum(ok for _, ok in parsed) / len(texts), starts
 
 
+def same_noise_share(texts):
+    """Of the '!' (the task's noise) that the samples of a batch write, the share that another
+    sample of the batch writes at the same position: about the noise rate (1/16) when each sample
+    draws its noise independently, 1 when all share it (when a fixed Z carries the noise)."""
+    counts = collections.Counter(i for t in texts for i, c in enumerate(t[2:]) if c == "!")
+    total = sum(counts.values())
+    if not total or len(texts) < 2:
+        return 0.0
+    return sum(c * (c - 1) for c in counts.values()) / ((len(texts) - 1) * total)
+
+
 def entropy(values):
     """Entropy in nats of the empirical distribution of values."""
     counts, n = collections.Counter(values).values(), len(values)
@@ -87,11 +98,13 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
     entropy of the block starts under fresh Z, pooled over batches, beside the uniform one
     (log 57): a model whose own start distribution is skewed has a same-start share under fresh
     Z above the ~9% of uniform starts, and that share, not 9%, is the reference for fixed Z.
-    The prompt's Z comes from the prior, as for every generated position."""
+    The prompt's Z comes from the prior, as for every generated position. What else Z carries
+    shows in the '!' noise: the share of '!' that another sample of the batch writes at the same
+    place (same_noise_share), under fixed Z against fresh Z."""
     gen = torch.Generator(device=device).manual_seed(seed)
     n_codes = 2 ** model.cfg.latent_bits if model.cfg.arch == "free" else 1
     total = 3 + data_lib.SYNTH_BODY
-    result = {"fixed_z": [], "fresh_z": []}
+    result, noise = {"fixed_z": [], "fresh_z": []}, {"fixed_z": [], "fresh_z": []}
     samples = []
     for b in range(n_batches):
         letter = data_lib.SYNTH_CHARS[4 + (7 * b) % 26]
@@ -102,20 +115,27 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
                                     generator=gen)
             texts = [data_lib.decode(None, row[1:].tolist()) for row in out]  # drop the leading newline
             result[name].append(batch_stats(texts, letter))
+            noise[name].append(same_noise_share(texts))
             samples += [f"[{name} batch {b}] {t}" for t in texts[:8]]
     summary = {name: {"same_start_share": sum(m for m, _, _ in v) / len(v),
                       "well_formed_share": sum(w for _, w, _ in v) / len(v),
-                      "start_entropy": entropy([s for _, _, starts in v for s in starts])}
+                      "start_entropy": entropy([s for _, _, starts in v for s in starts]),
+                      "same_noise_share": sum(noise[name]) / len(noise[name])}
                for name, v in result.items()}
     summary.update(arch=model.cfg.arch, batches=n_batches, batch_size=batch, seed=seed,
                    uniform_start_entropy=math.log(data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1))
     return summary, samples
 
 
+def noise_cell(stats):
+    """same_noise_share as a table cell (demo.json files written before it existed lack it)."""
+    return f"{100 * stats['same_noise_share']:.1f} %" if "same_noise_share" in stats else "–"
+
+
 def summarize(run_dirs):
     """A Markdown table of runs (e.g. a kappa sweep): kappa, final validation CE and KL, demo."""
-    rows = ["| run | kappa (bits) | val CE | val KL (nats/token) | same start fixed Z | same start fresh Z |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| run | kappa (bits) | val CE | val KL (nats/token) | same start fixed Z | same start fresh Z | "
+            "same '!' fixed Z | same '!' fresh Z |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in run_dirs:
         with open(os.path.join(run, "config.json")) as fh:
             kappa = json.load(fh)["model"]["kappa"]
@@ -125,7 +145,8 @@ def summarize(run_dirs):
             demo = json.load(fh)
         rows.append(f"| {os.path.basename(run.rstrip('/'))} | {kappa / math.log(2):g} | {val['val_ce']:.4f} | "
                     f"{val.get('val_kl', 0.0):.4f} | {100 * demo['fixed_z']['same_start_share']:.1f} % | "
-                    f"{100 * demo['fresh_z']['same_start_share']:.1f} % |")
+                    f"{100 * demo['fresh_z']['same_start_share']:.1f} % | {noise_cell(demo['fixed_z'])} | "
+                    f"{noise_cell(demo['fresh_z'])} |")
     return "\n".join(rows)
 
 
@@ -210,7 +231,8 @@ def main(argv=None):
         print("\n".join(s.replace("\n", "|") for s in samples[:4] + samples[8:12]))
         for name in ("fixed_z", "fresh_z"):
             print(f"{summary['arch']} {name}: same block start {100 * summary[name]['same_start_share']:.1f}% "
-                  f"of a batch, well formed {100 * summary[name]['well_formed_share']:.1f}%")
+                  f"of a batch, well formed {100 * summary[name]['well_formed_share']:.1f}%, "
+                  f"'!' at another sample's place {100 * summary[name]['same_noise_share']:.1f}%")
         print(f"entropy of the block start under fresh Z: {summary['fresh_z']['start_entropy']:.2f} nats "
               f"(uniform over the {data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1} starts: "
               f"{summary['uniform_start_entropy']:.2f}); fresh Z is the reference for fixed Z, not uniform starts")
