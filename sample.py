@@ -77,13 +77,14 @@ def batch_stats(texts, letter):
 
 
 def same_noise_share(texts):
-    """Of the '!' (the task's noise) that the samples of a batch write, the share that another
-    sample of the batch writes at the same position: about the noise rate (1/16) when each sample
-    draws its noise independently, 1 when all share it (when a fixed Z carries the noise)."""
+    """For each '!' (the task's noise) that a sample of the batch writes, the share of the other
+    samples that write a '!' at the same place, averaged over the '!': about the noise rate (1/16)
+    when each sample draws its noise independently, 1 when all share it (when a fixed Z carries
+    the noise). None when the batch writes no '!'."""
     counts = collections.Counter(i for t in texts for i, c in enumerate(t[2:]) if c == "!")
     total = sum(counts.values())
     if not total or len(texts) < 2:
-        return 0.0
+        return None
     return sum(c * (c - 1) for c in counts.values()) / ((len(texts) - 1) * total)
 
 
@@ -100,7 +101,7 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
     Z above the ~9% of uniform starts, and that share, not 9%, is the reference for fixed Z.
     The prompt's Z comes from the prior, as for every generated position. What else Z carries
     shows in the '!' noise: the share of '!' that another sample of the batch writes at the same
-    place (same_noise_share), under fixed Z against fresh Z."""
+    place (same_noise_share, over the batches that write one), under fixed Z against fresh Z."""
     gen = torch.Generator(device=device).manual_seed(seed)
     n_codes = 2 ** model.cfg.latent_bits if model.cfg.arch == "free" else 1
     total = 3 + data_lib.SYNTH_BODY
@@ -115,12 +116,13 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
                                     generator=gen)
             texts = [data_lib.decode(None, row[1:].tolist()) for row in out]  # drop the leading newline
             result[name].append(batch_stats(texts, letter))
-            noise[name].append(same_noise_share(texts))
+            share = same_noise_share(texts)
+            noise[name] += [] if share is None else [share]
             samples += [f"[{name} batch {b}] {t}" for t in texts[:8]]
     summary = {name: {"same_start_share": sum(m for m, _, _ in v) / len(v),
                       "well_formed_share": sum(w for _, w, _ in v) / len(v),
                       "start_entropy": entropy([s for _, _, starts in v for s in starts]),
-                      "same_noise_share": sum(noise[name]) / len(noise[name])}
+                      "same_noise_share": sum(noise[name]) / len(noise[name]) if noise[name] else 0.0}
                for name, v in result.items()}
     summary.update(arch=model.cfg.arch, batches=n_batches, batch_size=batch, seed=seed,
                    uniform_start_entropy=math.log(data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1))
@@ -232,7 +234,7 @@ def main(argv=None):
         for name in ("fixed_z", "fresh_z"):
             print(f"{summary['arch']} {name}: same block start {100 * summary[name]['same_start_share']:.1f}% "
                   f"of a batch, well formed {100 * summary[name]['well_formed_share']:.1f}%, "
-                  f"'!' at another sample's place {100 * summary[name]['same_noise_share']:.1f}%")
+                  f"a '!' shared by {100 * summary[name]['same_noise_share']:.1f}% of the other samples")
         print(f"entropy of the block start under fresh Z: {summary['fresh_z']['start_entropy']:.2f} nats "
               f"(uniform over the {data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1} starts: "
               f"{summary['uniform_start_entropy']:.2f}); fresh Z is the reference for fixed Z, not uniform starts")

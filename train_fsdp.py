@@ -669,21 +669,25 @@ def grad_scaler(cfg, device):
     return torch.amp.GradScaler(device.type)
 
 
-def state_dict_options(purpose, device=None, strategy=None):
+def state_dict_options(purpose, device=None, meta=None):
     """Options of the state dicts; the DCP helpers serve FSDP1, FSDP2, DDP and one device alike.
-    "sharded save" (the dcp/ of a sharded checkpoint): FSDP1 builds each DTensor shard by
-    gathering a unit's state and cloning this rank's rows, so on a GPU the state dicts would hold
-    a second copy of the rank's weights and AdamW state in GPU memory for the whole save (+13 GiB
-    a GPU at 8b on 4 GPUs: a model that trains at the memory limit would die at its first save);
-    cpu_offload moves each shard to the host as it is made. FSDP2's shards are the parameters
-    and optimizer state themselves, and DDP's and one device's are whole tensors: no copy, left on
-    the GPU (--async-save stages them straight into its pinned copy).
+    "sharded save" (the dcp/ of a sharded checkpoint described by `meta`): when FSDP1 shards, it
+    builds each DTensor shard by gathering a unit's state and cloning this rank's rows, so on a
+    GPU the state dicts would hold a second copy of the rank's weights and AdamW state in GPU
+    memory for the whole save (+13 GiB a GPU at 8b on 4 GPUs: a model that trains at the memory
+    limit would die at its first save); cpu_offload moves each shard to the host as it is made.
+    Left on the GPU: FSDP2's shards, which are the parameters and optimizer state themselves;
+    FSDP1 unsharded (NO_SHARD, or one process), whose optimizer state dict is the AdamW moments
+    themselves; DDP's and one device's whole tensors (--async-save stages them straight into its
+    pinned copy).
     "save": gathered to rank 0 on CPU (cpu_offload); a CPU-only run skips the offload: FSDP1 then
     frees the gathered storage before cloning it (a segfault, seen on torch 2.13 with gloo), so
     every rank gathers instead. "load": every rank reads the whole file. "init" (--init-from):
     keys the model does not have are left out."""
     if purpose == "sharded save":
-        return StateDictOptions(cpu_offload=strategy == "fsdp" and device.type == "cuda")
+        cfg = meta["config"]
+        shards = cfg["train"]["strategy"] == "fsdp" and cfg["fsdp"]["sharding_strategy"] != "NO_SHARD"
+        return StateDictOptions(cpu_offload=shards and meta["world_size"] > 1 and device.type == "cuda")
     if purpose == "save":
         return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
     return StateDictOptions(full_state_dict=True, strict=purpose != "init")
@@ -1025,7 +1029,7 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
     error = None
     try:
         if meta["type"] == "sharded":
-            opts = state_dict_options("sharded save", topo.device, meta["config"]["train"]["strategy"])
+            opts = state_dict_options("sharded save", topo.device, meta)
             dcp.save(sharded_state(model, optimizer, opts), checkpoint_id=os.path.join(tmp, "dcp"))
         if meta["type"] == "full" or consolidate:
             opts = state_dict_options("save", topo.device)
@@ -1138,7 +1142,7 @@ def start_async_save(path, meta, model, optimizer, topo, saver):
     are small). async_save_done, then publish_everywhere, finish it at a later step boundary."""
     tmp, error, future = make_staging_dir(path, meta, topo), None, None
     try:
-        opts = state_dict_options("sharded save", topo.device, meta["config"]["train"]["strategy"])
+        opts = state_dict_options("sharded save", topo.device, meta)
         state = sharded_state(model, optimizer, opts)
         # Given the writer, DCP stages through it: a blocking copy to host memory.
         future = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "dcp"), storage_writer=saver.writer,

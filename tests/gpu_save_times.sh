@@ -22,7 +22,15 @@ for mode in $MODES; do
     run=/tmp/save-$SIZE-$mode
     case $mode in none) extra="--save-every 0";; sync) extra="--save-every 4";; async) extra="--save-every 4 --async-save";; esac
     t0=$SECONDS
+    # timeout's SIGTERM makes the trainer start its stop-save; -k 20 kills it if that outlasts 20 s
     timeout -k 20 "$LIMIT_S" $TR train_fsdp.py $ARGS $extra --out-dir $run > "$OUT/save_${SIZE}_$mode.log" 2>&1
+    rc=$?
+    if [[ $rc -ne 0 ]]; then
+        what=$([[ $rc -eq 124 || $rc -eq 137 ]] && echo "TIMED OUT after $LIMIT_S s" || echo "FAILED (exit $rc)")
+        echo "$SIZE $mode ($NGPU GPUs): $what; see $OUT/save_${SIZE}_$mode.log"
+        rm -rf "$run"
+        continue
+    fi
     python3 - "$run" "$mode" "$SIZE" "$NGPU" "$((SECONDS - t0))" <<'PY'
 import json, re, statistics, sys
 run, mode, size, ngpu, wall = sys.argv[1:]

@@ -1,8 +1,9 @@
 """FSDP1's sharded checkpoint state with cpu_offload (what a GPU run's saves use, see
 train_fsdp.state_dict_options) against the state dicts left where they are: the same DTensor
 shards, the same optimizer state, and a checkpoint written from them that loads back exactly.
-And why only FSDP1 is offloaded: its state dict is a copy of the weights and AdamW state (no
-tensor shares storage with the model's or the optimizer's), FSDP2's is the tensors themselves.
+And why only a sharding FSDP1 is offloaded: its state dict is a copy of the weights and AdamW
+state (no tensor shares storage with the model's or the optimizer's); FSDP2's is the tensors
+themselves, and FSDP1 under NO_SHARD hands out the AdamW moments themselves.
 Run with torchrun --nproc_per_node=2 (gloo, CPU): prints OK on rank 0."""
 import os
 import sys
@@ -13,14 +14,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
 
 
-def build(seed, backend="fsdp"):
+def build(seed, backend="fsdp", sharding=ShardingStrategy.FULL_SHARD):
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -30,6 +31,7 @@ def build(seed, backend="fsdp"):
         model = fully_shard(net, mesh=mesh)
     else:
         model = FSDP(net, device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"),
+                     sharding_strategy=sharding,
                      auto_wrap_policy=lambda module, recurse, **_: recurse or isinstance(module, torch.nn.Linear))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 6)).square().mean().backward()
@@ -52,10 +54,14 @@ def flat(state, prefix=""):
     return out
 
 
+def storage(t):
+    return t.untyped_storage().data_ptr()  # the allocation, whatever the view's offset
+
+
 def storages(model, optimizer):
-    """data_ptrs of this rank's parameters and AdamW moments."""
-    live = {local(p).data_ptr() for p in model.parameters()}
-    live |= {local(v).data_ptr() for st in optimizer.state.values() for k, v in st.items() if k != "step"}
+    """The allocations of this rank's parameters and AdamW moments."""
+    live = {storage(local(p)) for p in model.parameters()}
+    live |= {storage(local(v)) for st in optimizer.state.values() for k, v in st.items() if k != "step"}
     return live
 
 
@@ -63,7 +69,7 @@ def shared_with_training(model, optimizer):
     """How many non-empty tensors of the sharded state share storage with the training state."""
     state = flat(train_fsdp.sharded_state(model, optimizer))
     live = storages(model, optimizer)
-    return sum(t.data_ptr() in live for k, t in state.items() if t.numel() and not k.endswith(".step"))
+    return sum(storage(t) in live for k, t in state.items() if t.numel() and not k.endswith(".step"))
 
 
 def main():
@@ -72,6 +78,8 @@ def main():
     same_model, same_opt = build(0, "fsdp2")
     assert shared_with_training(copy_model, copy_opt) == 0
     assert shared_with_training(same_model, same_opt) == 12, shared_with_training(same_model, same_opt)
+    unsharded_model, unsharded_opt = build(0, sharding=ShardingStrategy.NO_SHARD)
+    assert shared_with_training(unsharded_model, unsharded_opt) == 8  # the moments, not the weights
     model, optimizer = build(0)
     plain = flat(train_fsdp.sharded_state(model, optimizer))
     offloaded = flat(train_fsdp.sharded_state(model, optimizer, StateDictOptions(cpu_offload=True)))

@@ -1104,22 +1104,31 @@ def test_resume_from_weights_only_checkpoints_is_refused_not_treated_as_corrupte
     assert loss_steps(run_dir) == [1, 2, 3, 4]
 
 
-def test_only_fsdp1_on_a_gpu_offloads_the_state_of_a_sharded_save():
-    """FSDP1 builds each shard of a sharded state dict as a copy (a second copy of the rank's
-    weights and AdamW state on the GPU during a save): on a GPU it is moved to the host as it is
-    made. FSDP2's, DDP's and one device's state dicts are the tensors themselves: left alone."""
+def test_only_a_sharding_fsdp1_on_a_gpu_offloads_the_state_of_a_sharded_save():
+    """FSDP1 builds each shard of a sharded state dict as a copy when it shards (a second copy of
+    the rank's weights and AdamW state on the GPU during a save): on a GPU it is moved to the host
+    as it is made. FSDP1 unsharded (NO_SHARD, one process), FSDP2, DDP and one device: left alone."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert train_fsdp.state_dict_options("sharded save", cuda, "fsdp").cpu_offload
+
+    def offloads(device, strategy, sharding="FULL_SHARD", world=2):
+        meta = {"config": {"train": {"strategy": strategy}, "fsdp": {"sharding_strategy": sharding}},
+                "world_size": world}
+        return train_fsdp.state_dict_options("sharded save", device, meta).cpu_offload
+
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        assert offloads(cuda, "fsdp", sharding), sharding
+    assert not offloads(cuda, "fsdp", "NO_SHARD") and not offloads(cuda, "fsdp", world=1)
     for device, strategy in [(cuda, "fsdp2"), (cuda, "ddp"), (cuda, "none"), (cpu, "fsdp"), (cpu, "fsdp2")]:
-        assert not train_fsdp.state_dict_options("sharded save", device, strategy).cpu_offload, (device, strategy)
+        assert not offloads(device, strategy), (device, strategy)
 
 
 def test_fsdp1_sharded_state_offloaded_to_the_host_is_the_same_and_loads(tmp_path):
     """What a GPU run's FSDP1 saves write (the sharded state built with cpu_offload) holds the
     same DTensor shards and optimizer state as the state left in place, and a checkpoint written
     from it loads back exactly into another model. And the reason: FSDP1's sharded state shares
-    no storage with its weights or AdamW moments (a copy), FSDP2's is those very tensors
-    (2 gloo processes, tests/sharded_state_offload.py)."""
+    no storage with its weights or AdamW moments (a copy), FSDP2's is those very tensors, and
+    FSDP1 under NO_SHARD hands out the moments themselves (2 gloo processes,
+    tests/sharded_state_offload.py)."""
     from test_fsdp2 import torchrun
     res = torchrun(2, os.path.join("tests", "sharded_state_offload.py"), tmp_path / "ck")
     assert "OK 16 tensors" in res.stdout, res.stdout[-2000:]
