@@ -566,8 +566,13 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
             parent, name = parents[outer[b]]
             outer[b] = torch.compile(outer[b])
             parent.register_module(name, outer[b])
-    kw = dict(mesh=topo.mesh,
-              mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype]))
+    # cast_forward_inputs=False: FSDP2 would otherwise cast every floating input of every unit to
+    # param_dtype, the fp32 rotary tables the blocks receive included (bf16 positions lose precision;
+    # FSDP1's MixedPrecision casts only the root's inputs, here token ids). The residual stream is
+    # already in param_dtype: it comes out of the embedding and the blocks in it.
+    kw = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype],
+                                                             reduce_dtype=DTYPES[f.reduce_dtype],
+                                                             cast_forward_inputs=False))
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
     reshard = fsdp2_reshards(f)

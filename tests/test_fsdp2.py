@@ -90,6 +90,46 @@ def test_fsdp2_compiles_each_block_before_sharding_it():
     assert built["latent"] == {"fsdp": True, "compiled": False, "checkpointed": False}
 
 
+ROPE_SCRIPT = r"""
+import dataclasses, json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, ".")
+import model as model_lib, train_fsdp
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+seen = {}
+for strategy in ("fsdp", "fsdp2", "ddp", "none"):
+    cfg = train_fsdp.parse_config(["--strategy", strategy, *sys.argv[1:]])
+    train_fsdp.check_config(cfg)
+    topo = train_fsdp.setup_distributed(cfg)
+    train_fsdp.resolve_strategy(cfg, topo)
+    model_lib.resolve_model_config(cfg.model, 64)
+    topo = dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
+    model, wrap, ckpt = train_fsdp.build_model(cfg)
+    model = train_fsdp.wrap_model(model, wrap, ckpt, cfg, topo, model.init_module)
+    inner = getattr(model, "module", model)  # DDP's module; FSDP1 and FSDP2 keep the attributes
+    attns = {"first block": inner.blocks[0].attn, "last block": inner.blocks[-1].attn,
+             "encoder": inner.latent.encoder.attn}
+    for where, attn in attns.items():  # Attention(q_in, kv_in, cos, sin, ...): cos is args[2]
+        attn.register_forward_pre_hook(lambda m, args, where=where: seen.__setitem__(f"{strategy} {where}",
+                                                                                     str(args[2].dtype)))
+    model(torch.randint(0, 64, (2, 16)))
+print(json.dumps(seen))
+"""
+
+
+def test_rotary_tables_reach_attention_in_fp32_under_every_strategy():
+    """bf16 parameters: the blocks and the encoder receive the rotary tables in fp32 (model.py
+    keeps them so), under FSDP2 too, whose MixedPrecisionPolicy would cast every unit's floating
+    inputs to param_dtype by default."""
+    argv = ["--param-dtype", "bf16", "--arch", "free", "--latent-bits", "4", "--n-layer", "4", "--d-model", "32",
+            "--n-head", "2", "--dataset", "random", "--tokenizer-vocab-size", "64", "--seq-len", "16"]
+    res = subprocess.run([sys.executable, "-c", ROPE_SCRIPT, *argv], cwd=ROOT, env=clean_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(seen) == 12 and set(seen.values()) == {"torch.float32"}, seen
+
+
 def test_fsdp2_refuses_no_shard_pointing_to_ddp():
     cfg = train_fsdp.parse_config(["--strategy", "fsdp2", "--sharding-strategy", "NO_SHARD"])
     with pytest.raises(train_fsdp.BadInput, match="--strategy ddp") as e:
