@@ -527,6 +527,9 @@ def test_fsdp2_mixed_precision_policy(two):
     assert comm_dtypes(two["fsdp2_fp16"], "reduce_scatter_single") == {"float16"}
     bf16, fp32 = two["fsdp2_bf16"][0], two["fsdp2-FULL_SHARD"][0]
     assert all(abs(a - b) < 0.05 * b for a, b in zip(bf16, fp32)) and bf16 != fp32
+    # The same bf16 casts as FSDP1's MixedPrecision: FSDP1 and FSDP2 differ only in the order of
+    # the fp32 sums (2e-5 relative seen over 8 steps; DDP's autocast, another set of casts, 8e-4).
+    assert all(abs(a - b) < 2e-4 * b for a, b in zip(bf16, two["bf16"][0])), (bf16, two["bf16"][0])
     with open(os.path.join(two["fsdp2_fp16"][2], "metrics.jsonl")) as fh:
         fp16 = [r for r in map(json.loads, fh) if "loss" in r]
     assert fp16[0]["grad_norm"] == float("inf") and all(math.isfinite(r["grad_norm"]) for r in fp16[1:])
