@@ -566,24 +566,26 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
             parent, name = parents[outer[b]]
             outer[b] = torch.compile(outer[b])
             parent.register_module(name, outer[b])
-    # cast_forward_inputs=False: FSDP2 would otherwise cast every floating input of every unit to
-    # param_dtype, the fp32 rotary tables the blocks receive included (bf16 positions lose precision;
-    # FSDP1's MixedPrecision casts only the root's inputs, here token ids). The residual stream is
-    # already in param_dtype: it comes out of the embedding and the blocks in it.
-    kw = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype],
-                                                             reduce_dtype=DTYPES[f.reduce_dtype],
-                                                             cast_forward_inputs=False))
+    kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+
+    # Only the root casts its floating inputs to param_dtype, as FSDP1's MixedPrecision does. By
+    # default FSDP2 casts every unit's, the fp32 rotary tables the blocks receive included (bf16
+    # positions lose precision); the residual stream is already in param_dtype (it comes out of
+    # the embedding and the blocks in it).
+    def precision(cast_inputs):
+        return MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
+                                    cast_forward_inputs=cast_inputs)
     reshard = fsdp2_reshards(f)
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
         # The last block runs last in forward and first in backward: resharding it would free
         # parameters only to gather them again at once (torchtitan keeps it gathered too).
-        fully_shard(m, reshard_after_forward=reshard and m is not last, **kw)
+        fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=precision(False), **kw)
     # The root (embedding, final norm, LM head) likewise: FSDP2's own default for the root.
-    fully_shard(model, reshard_after_forward=False, **kw)
+    fully_shard(model, reshard_after_forward=False, mp_policy=precision(True), **kw)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu" if f.cpu_offload else topo.device)
         init_weights(order, init_fn)
