@@ -341,9 +341,10 @@ def setup_distributed(cfg):
     owner = not dist.is_initialized()  # a caller (e.g. a test driver) may have set up the group already
     if owner and world == 1:
         # FSDP and DDP need a process group even for one process; an in-memory store needs no port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(group_backends(cfg, backend), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     elif owner:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+        dist.init_process_group(group_backends(cfg, backend), rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
@@ -352,6 +353,15 @@ def setup_distributed(cfg):
     control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world, device=device,
                     backend=backend, owner=owner, control=control)
+
+
+def group_backends(cfg, backend):
+    """The default process group's backends. FSDP2 with --cpu-offload keeps the gradients on the
+    host, and clip_grad_norm_ (and fp16's GradScaler) all-reduce what they compute from them
+    there: on GPUs the group then also needs gloo for CPU tensors (torchtitan does the same)."""
+    if backend == "nccl" and cfg.train.strategy == "fsdp2" and cfg.fsdp.cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
 
 
 def hybrid_shard_size(cfg, topo):
@@ -658,8 +668,9 @@ def clip_gradients(model, cfg):
 
 
 def precision_context(cfg, device):
-    """FSDP1 and FSDP2 cast through their mixed-precision policies; DDP and one device use
-    autocast for the same dtype."""
+    """FSDP1 and FSDP2 cast through their mixed-precision policies (parameters and activations in
+    param_dtype). DDP and one device use autocast with that dtype instead: the matrix products run
+    in it, but the weights and the residual stream stay fp32, so their numerics are not FSDP's."""
     dtype = DTYPES[cfg.fsdp.param_dtype]
     if cfg.train.strategy in ("fsdp", "fsdp2") or dtype == torch.float32:
         return contextlib.nullcontext()

@@ -19,6 +19,8 @@ run() {  # name, args...
 TINY="--size tiny --latent-bits 8 --max-steps 30 --log-every 10 --eval-every 0 --eval-samples 64"
 run make_free make train-free-fsdp RUN=runs/make-free
 run offload   $TR train_fsdp.py $TINY --cpu-offload --out-dir runs/offload
+run offload2  $TR train_fsdp.py $TINY --strategy fsdp2 --cpu-offload --out-dir runs/offload2
+run fp16_2    $TR train_fsdp.py $TINY --strategy fsdp2 --param-dtype fp16 --reduce-dtype fp16 --out-dir runs/fp16_2
 run syncstate $TR train_fsdp.py $TINY --sync-module-states --out-dir runs/syncstate
 run fp16      $TR train_fsdp.py $TINY --param-dtype fp16 --reduce-dtype fp16 --out-dir runs/fp16
 run compile   $TR train_fsdp.py $TINY --compile --out-dir runs/compile

@@ -178,3 +178,15 @@ def test_describe_fsdp2():
     assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root and last block)")
     headline, _ = train_fsdp.describe_strategy(train_fsdp.parse_config(["--strategy", "fsdp2", "--auto-wrap", "size"]))
     assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root) wrap=size")
+
+
+@pytest.mark.parametrize("argv,backend,expected", [
+    (["--strategy", "fsdp2", "--cpu-offload"], "nccl", "cuda:nccl,cpu:gloo"),
+    (["--strategy", "fsdp2"], "nccl", "nccl"), (["--strategy", "fsdp", "--cpu-offload"], "nccl", "nccl"),
+    (["--strategy", "fsdp2", "--cpu-offload"], "gloo", "gloo"),
+])
+def test_fsdp2_cpu_offload_adds_gloo_for_the_host_gradients(argv, backend, expected):
+    """FSDP2 with --cpu-offload clips (and fp16 unscales) gradients that live on the host; the
+    all-reduce of their norm needs a CPU backend in the default group besides NCCL. FSDP1 moves
+    its norm to the GPU itself."""
+    assert train_fsdp.group_backends(train_fsdp.parse_config(argv), backend) == expected
