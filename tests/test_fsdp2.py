@@ -49,22 +49,29 @@ def test_accumulated_gradient_against_fp32(tmp_path):
     assert errors["fsdp2/no_sync"] == pytest.approx(errors["fsdp2/sync"], rel=1e-3)
 
 
-WRAP_SCRIPT = r"""
+# One process (gloo, in-memory store) builds and wraps the model as train_fsdp.main does, from
+# the command line flags given to build(); the scripts below print what they found as JSON.
+BUILD_PRELUDE = r"""
 import dataclasses, json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, ".")
 import model as model_lib, train_fsdp
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def build(argv):
+    cfg = train_fsdp.parse_config(argv)
+    train_fsdp.check_config(cfg)
+    topo = train_fsdp.setup_distributed(cfg)
+    train_fsdp.resolve_strategy(cfg, topo)
+    model_lib.resolve_model_config(cfg.model, 64)
+    topo = dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
+    model, wrap, ckpt = train_fsdp.build_model(cfg)
+    return train_fsdp.wrap_model(model, wrap, ckpt, cfg, topo, model.init_module)
+"""
+
+WRAP_SCRIPT = BUILD_PRELUDE + r"""
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-cfg = train_fsdp.parse_config(sys.argv[1:])
-train_fsdp.check_config(cfg)
-topo = train_fsdp.setup_distributed(cfg)
-train_fsdp.resolve_strategy(cfg, topo)
-model_lib.resolve_model_config(cfg.model, 64)
-topo = dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
-model, wrap, ckpt = train_fsdp.build_model(cfg)
-model = train_fsdp.wrap_model(model, wrap, ckpt, cfg, topo, model.init_module)
+model = build(sys.argv[1:])
 compiled = torch._dynamo.eval_frame.OptimizedModule
 def describe(m):
     inner = m._orig_mod if isinstance(m, compiled) else m
@@ -75,37 +82,30 @@ print(json.dumps({"root": describe(model), "blocks": [describe(b) for b in model
 """
 
 
+def run_build_script(script, argv):
+    """Runs one of the scripts above with argv; returns the JSON of its last line."""
+    res = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, env=clean_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_fsdp2_compiles_each_block_before_sharding_it():
     """--compile under fsdp2 (torchtitan's order): checkpoint_wrapper, then torch.compile of each
     block, then fully_shard of the compiled block; the root is sharded, not compiled. (Built
     only: compilation itself happens at the first forward.)"""
     argv = ["--strategy", "fsdp2", "--compile", "--activation-checkpointing", "--ac-every", "2", "--arch", "free",
             "--latent-bits", "4", "--n-layer", "4", "--d-model", "32", "--n-head", "2"]
-    res = subprocess.run([sys.executable, "-c", WRAP_SCRIPT, *argv], cwd=ROOT, env=clean_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    built = json.loads(res.stdout.strip().splitlines()[-1])
+    built = run_build_script(WRAP_SCRIPT, argv)
     assert built["root"] == {"fsdp": True, "compiled": False, "checkpointed": False}
     assert built["blocks"] == [{"fsdp": True, "compiled": True, "checkpointed": i % 2 == 0} for i in range(4)]
     assert built["latent"] == {"fsdp": True, "compiled": False, "checkpointed": False}
 
 
-ROPE_SCRIPT = r"""
-import dataclasses, json, sys
-import torch, torch.distributed as dist
-sys.path.insert(0, ".")
-import model as model_lib, train_fsdp
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+ROPE_SCRIPT = BUILD_PRELUDE + r"""
 seen = {}
 for strategy in ("fsdp", "fsdp2", "ddp", "none"):
-    cfg = train_fsdp.parse_config(["--strategy", strategy, *sys.argv[1:]])
-    train_fsdp.check_config(cfg)
-    topo = train_fsdp.setup_distributed(cfg)
-    train_fsdp.resolve_strategy(cfg, topo)
-    model_lib.resolve_model_config(cfg.model, 64)
-    topo = dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
-    model, wrap, ckpt = train_fsdp.build_model(cfg)
-    model = train_fsdp.wrap_model(model, wrap, ckpt, cfg, topo, model.init_module)
+    model = build(["--strategy", strategy, *sys.argv[1:]])
     inner = getattr(model, "module", model)  # DDP's module; FSDP1 and FSDP2 keep the attributes
     attns = {"first block": inner.blocks[0].attn, "last block": inner.blocks[-1].attn,
              "encoder": inner.latent.encoder.attn}
@@ -123,10 +123,7 @@ def test_rotary_tables_reach_attention_in_fp32_under_every_strategy():
     inputs to param_dtype by default."""
     argv = ["--param-dtype", "bf16", "--arch", "free", "--latent-bits", "4", "--n-layer", "4", "--d-model", "32",
             "--n-head", "2", "--dataset", "random", "--tokenizer-vocab-size", "64", "--seq-len", "16"]
-    res = subprocess.run([sys.executable, "-c", ROPE_SCRIPT, *argv], cwd=ROOT, env=clean_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    seen = run_build_script(ROPE_SCRIPT, argv)
     assert len(seen) == 12 and set(seen.values()) == {"torch.float32"}, seen
 
 
