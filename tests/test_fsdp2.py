@@ -6,6 +6,7 @@ its checkpoints across backends in test_checkpoint.py. Here: the accumulated gra
 strategy and mode against fp32 (tests/grad_precision.py), the order of activation
 checkpointing, compile and sharding, and the settings fsdp2 refuses, resolves and names.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -187,3 +188,20 @@ def test_fsdp2_cpu_offload_adds_gloo_for_the_host_gradients(argv, backend, expec
     all-reduce of their norm needs a CPU backend in the default group besides NCCL. FSDP1 moves
     its norm to the GPU itself."""
     assert train_fsdp.group_backends(train_fsdp.parse_config(argv), backend) == expected
+
+
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_fsdp2_on_one_process_keeps_parameters_gathered(sharding, capsys):
+    """One process: FULL_SHARD / HYBRID_SHARD would reshard after forward only to gather the same
+    parameters again in backward; fsdp2 takes SHARD_GRAD_OP there (said), as FSDP1 takes
+    NO_SHARD. Two processes keep what was asked, and FSDP1 is left to its own rule."""
+    one = dataclasses.replace(topology(1), rank=0, local_rank=0)
+    cfg = train_fsdp.parse_config(["--strategy", "fsdp2", "--sharding-strategy", sharding])
+    train_fsdp.resolve_strategy(cfg, one)
+    assert cfg.fsdp.sharding_strategy == "SHARD_GRAD_OP"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and sharding in out and "SHARD_GRAD_OP" in out
+    for argv, world in ((["--strategy", "fsdp2"], 2), (["--strategy", "fsdp"], 1)):
+        cfg = train_fsdp.parse_config([*argv, "--sharding-strategy", sharding])
+        train_fsdp.resolve_strategy(cfg, topology(world))
+        assert cfg.fsdp.sharding_strategy == sharding
