@@ -125,6 +125,8 @@ def suite(name, ngpu):
                 ("1b baseline compile micro 16", 1, ONE_B + micro(16), 14),
                 ("1b free compile", 1, ONE_B + micro(8) + ["--arch", "free"], 14),
                 ("1b baseline compile fsdp2", 1, ONE_B + micro(8) + FSDP2, 14),
+                # On one process fsdp2 runs FULL_SHARD as SHARD_GRAD_OP (train_fsdp.resolve_strategy):
+                # the SHARD_GRAD_OP entries repeat the plain fsdp2 ones there, a second reading.
                 ("1b baseline compile fsdp2 SHARD_GRAD_OP", 1, ONE_B + micro(8) + FSDP2 + ["--sharding-strategy",
                                                                                          "SHARD_GRAD_OP"], 14),
                 ("1b baseline compile micro 12 fsdp2", 1, ONE_B + micro(12) + FSDP2, 14),
