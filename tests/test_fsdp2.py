@@ -194,14 +194,16 @@ def test_fsdp2_cpu_offload_adds_gloo_for_the_host_gradients(argv, backend, expec
 def test_fsdp2_on_one_process_keeps_parameters_gathered(sharding, capsys):
     """One process: FULL_SHARD / HYBRID_SHARD would reshard after forward only to gather the same
     parameters again in backward; fsdp2 takes SHARD_GRAD_OP there (said), as FSDP1 takes
-    NO_SHARD. Two processes keep what was asked, and FSDP1 is left to its own rule."""
+    NO_SHARD. Two processes, --cpu-offload (resharding keeps the model in host memory) and FSDP1
+    (its own rule) keep what was asked."""
     one = dataclasses.replace(topology(1), rank=0, local_rank=0)
     cfg = train_fsdp.parse_config(["--strategy", "fsdp2", "--sharding-strategy", sharding])
     train_fsdp.resolve_strategy(cfg, one)
     assert cfg.fsdp.sharding_strategy == "SHARD_GRAD_OP"
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and sharding in out and "SHARD_GRAD_OP" in out
-    for argv, world in ((["--strategy", "fsdp2"], 2), (["--strategy", "fsdp"], 1)):
+    for argv, world in ((["--strategy", "fsdp2"], 2), (["--strategy", "fsdp2", "--cpu-offload"], 1),
+                        (["--strategy", "fsdp"], 1)):
         cfg = train_fsdp.parse_config([*argv, "--sharding-strategy", sharding])
         train_fsdp.resolve_strategy(cfg, topology(world))
         assert cfg.fsdp.sharding_strategy == sharding
