@@ -117,7 +117,8 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
             texts = [data_lib.decode(None, row[1:].tolist()) for row in out]  # drop the leading newline
             result[name].append(batch_stats(texts, letter))
             share = same_noise_share(texts)
-            noise[name] += [] if share is None else [share]
+            if share is not None:
+                noise[name].append(share)
             samples += [f"[{name} batch {b}] {t}" for t in texts[:8]]
     summary = {name: {"same_start_share": sum(m for m, _, _ in v) / len(v),
                       "well_formed_share": sum(w for _, w, _ in v) / len(v),

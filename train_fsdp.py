@@ -792,9 +792,8 @@ def describe_strategy(cfg):
         return headline, notes
     if t.strategy == "fsdp2":
         reshard = fsdp2_reshards(f)
-        headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}"
-                    f"{(' except the root' + (' and last block' if f.auto_wrap != 'size' else '')) if reshard else ''}"
-                    f") wrap={f.auto_wrap}"
+        kept = "" if not reshard else " except the root" + (" and last block" if f.auto_wrap != "size" else "")
+        headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) wrap={f.auto_wrap}"
                     f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
                     f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}")
         ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in FSDP2_IGNORED]
