@@ -341,7 +341,10 @@ class _BinaryMapperST(torch.autograd.Function):
 def sample_codes(z_logits, generator=None):
     """Sample each bit from Bernoulli(sigmoid(logit)) and pack the H bits into a code index."""
     p = torch.sigmoid(z_logits.float())
-    b = (torch.rand(p.shape, device=p.device, generator=generator) < p).long()
+    # rand_like, not rand(p.shape): under torch.compile with a dynamic batch (a ragged last
+    # validation batch) p.shape is symbolic and torch.rand refuses it.
+    u = torch.rand_like(p) if generator is None else torch.rand(p.shape, device=p.device, generator=generator)
+    b = (u < p).long()
     return (b << torch.arange(b.shape[-1], device=b.device)).sum(-1)
 
 
@@ -454,7 +457,7 @@ class LatentSampler(nn.Module):
         super().__init__()
         self.encoder = EncoderBlock(cfg)
         self.post_sampler = nn.Parameter(torch.empty(2 ** cfg.latent_bits, cfg.d_model))
-        self.chunk = cfg.mapper_chunk
+        self.n_bits, self.chunk = cfg.latent_bits, cfg.mapper_chunk
 
     def forward(self, x, cos, sin, mode="training", z=None):
         """Returns (R, z_logits). mode="training": Z from the encoder (posterior); "inference":
@@ -463,7 +466,9 @@ class LatentSampler(nn.Module):
         if z is not None:
             return F.embedding(z, self.post_sampler).to(x.dtype), None
         if mode == "inference":
-            codes = torch.randint(0, self.post_sampler.shape[0], x.shape[:2], device=x.device)
+            # Uniform over the 2^H codes, drawn as H fair bits: the posterior's sampler with all
+            # bit-logits 0 draws the same codes from the same RNG state.
+            codes = sample_codes(x.new_zeros(*x.shape[:2], self.n_bits))
             return F.embedding(codes, self.post_sampler).to(x.dtype), None
         if mode != "training":
             raise ValueError(f"mode {mode!r}: valid values are training, inference")
@@ -549,6 +554,19 @@ def lm_loss(logits, targets, latent=None, kappa=0.0):
     kl = latent_kl(latent["z_logits"])
     total = ce + torch.clamp(kl - kappa, min=0.0).mean()
     return total, {"ce": ce.detach(), "kl": kl.mean().detach(), "r_rms_ratio": latent["r_rms_ratio"]}
+
+
+def comparable_losses(model, x, y, parts):
+    """Evaluation figures of the Free Transformer that compare with a baseline's CE. Its CE
+    reads Z from the encoder, which has seen the whole row: Z carries up to KL nats per token
+    about the very tokens predicted, so that CE flatters it. Comparable are nll_bound = CE + KL,
+    the per-token upper bound on -log p(x) (the conditional VAE's evidence bound, Z_t iid
+    uniform under the prior), and prior_ce, the CE with Z drawn from the prior as in generation
+    (one more forward). Returns (nll_bound, {"nll_bound", "prior_ce"})."""
+    prior_logits, _ = model(x, mode="inference")
+    prior_ce = F.cross_entropy(prior_logits.float().reshape(-1, prior_logits.shape[-1]), y.reshape(-1))
+    bound = parts["ce"] + parts["kl"]
+    return bound, {"nll_bound": bound, "prior_ce": prior_ce}
 
 
 def count_params(model):

@@ -239,11 +239,17 @@ def build_model(cfg):
 
 
 def compute_loss(model, x, y, cfg):
-    """Returns (loss to backpropagate, dict of detached scalars to log). Under --compile the loss
-    is compiled too: the cross-entropy over the vocabulary runs fused instead of writing fp32
-    copies of the logits."""
+    """Returns (loss, dict of detached scalars to log). In training the loss is backpropagated;
+    in evaluation (model.eval()) it is the figure runs are compared by and --keep-best ranks:
+    the CE for the baseline, the bound CE + KL for the Free Transformer (model.comparable_losses).
+    Under --compile the loss is compiled too: the cross-entropy over the vocabulary runs fused
+    instead of writing fp32 copies of the logits."""
     logits, latent = model(x)
-    return (compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
+    loss, parts = (compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
+    if latent is not None and not model.training:
+        loss, comparable = model_lib.comparable_losses(model, x, y, parts)
+        parts.update(comparable)
+    return loss, parts
 
 
 @functools.cache
