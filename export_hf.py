@@ -69,8 +69,7 @@ def hf_config(cfg, meta, tokenizer):
     so either release reads it."""
     data = meta["config"]["data"]
     seq_len = data["seq_len"] or (data_lib.SYNTH_ROW - 1 if data["dataset"] == "synthetic" else data_lib.TEXT_SEQ_LEN)
-    special = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id,
-                                            "eos_token_id": tokenizer.eos_token_id}
+    special = {"eos_token_id": tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else {}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
@@ -141,7 +140,9 @@ def sentencepiece_tokenizer(path):
                     for p in proto.pieces if p.type == kind.USER_DEFINED])
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
                             for p in proto.pieces if p.type in (kind.CONTROL, kind.UNKNOWN)])
-    named = {"unk_token": spec.unk_id, "bos_token": spec.bos_id, "eos_token": spec.eos_id, "pad_token": spec.pad_id}
+    # No bos_token: training never saw <s>, only EOS between documents (data.token_chunks), so
+    # tools that start a text with BOS when there is one (lm-eval's prefix) take EOS instead.
+    named = {"unk_token": spec.unk_id, "eos_token": spec.eos_id, "pad_token": spec.pad_id}
     return tok, {name: proto.pieces[i].piece for name, i in named.items() if i >= 0}
 
 
