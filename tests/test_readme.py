@@ -1,5 +1,5 @@
 """Keep README.md true: its settings table lists every field with its real default, and every
---flag it mentions exists in train_fsdp.py, sample.py, torchrun or sbatch."""
+--flag it mentions exists in train_fsdp.py, sample.py, torchrun, sbatch or lm_eval."""
 import dataclasses
 import os
 import re
@@ -15,6 +15,7 @@ SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue",
                 "--wait", "--nnodes"}
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
 PIP_FLAGS = {"--index-url"}
+LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
                 "--prompt-z", "--fixed-z", "--demo", "--device"}
 
@@ -33,7 +34,7 @@ def test_every_flag_in_the_readme_exists():
     import bench
     parser_flags = {a for p in (train_fsdp.build_arg_parser(), bench.build_arg_parser())
                     for action in p._actions for a in action.option_strings}
-    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS
+    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS | LM_EVAL_FLAGS
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", README))
     assert mentioned - known == set()
 
