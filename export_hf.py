@@ -147,11 +147,14 @@ def sentencepiece_tokenizer(path):
 
 
 def synthetic_tokenizer():
-    """The synthetic task's alphabet (data.SYNTH_CHARS), one id per character."""
+    """The synthetic task's alphabet (data.SYNTH_CHARS), one id per character. A character
+    outside it, which data.encode refuses, becomes <unk> at the first padding id (a tokenizer
+    cannot refuse; dropping it would be silent)."""
     from tokenizers import Tokenizer, decoders, models
-    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(data_lib.SYNTH_CHARS)}, []))
+    vocab = {c: i for i, c in enumerate(data_lib.SYNTH_CHARS)} | {"<unk>": len(data_lib.SYNTH_CHARS)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    return tok, {}
+    return tok, {"unk_token": "<unk>"}
 
 
 def hf_tokenizer(tokenizer_path):
@@ -254,7 +257,7 @@ def run(argv):
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return train_fsdp.EXIT_BAD_INPUT
-    except RunFailed as e:
+    except (RunFailed, OSError) as e:  # a checkpoint that does not load, a full disk
         print(f"error: {e}", file=sys.stderr)
         return train_fsdp.EXIT_FAILED
     return 0

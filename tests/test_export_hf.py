@@ -103,6 +103,8 @@ def test_exported_model_computes_what_the_project_model_computes(exports, name):
              ["\nK>__KKKKKKKK____!_____", "\nB>____!__BBBBBBBB___"])
     ids = [data_lib.encode(sp, t)[:20] for t in texts]
     assert [tok.encode(t)[:20] for t in texts] == ids and tok.decode(ids[0]) == data_lib.decode(sp, ids[0])
+    if sp is None:  # a character outside the task's alphabet is <unk> at the first padding id, not dropped
+        assert tok.encode("K?") == [data_lib.encode(None, "K")[0], len(data_lib.SYNTH_CHARS)]
     x = torch.tensor(ids)
     with torch.no_grad():
         ref = ours(x)[0]
