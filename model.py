@@ -479,6 +479,10 @@ class LatentSampler(nn.Module):
 
 
 class FreeTransformer(Transformer):
+    evaluation_note = ("validation: loss = nll_bound = CE + KL, a bound on the NLL comparable with a baseline's CE; "
+                       "ce reads Z from the encoder, which has seen the row (not comparable); prior_ce: Z from the "
+                       "prior, as in generation")
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.latent = LatentSampler(cfg)

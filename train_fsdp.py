@@ -153,7 +153,8 @@ class CheckpointConfig:
     save_every: int = opt(0, "save a checkpoint every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)")
     save_final: bool = opt(True, "save a checkpoint at the end (benchmarks turn it off)")
     keep_checkpoints: int = opt(3, "keep the newest K complete checkpoints")
-    keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (named by checkpoints/best, "
+    keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (the Free Transformer's is the "
+                          "bound CE + KL, comparable with a baseline's CE; named by checkpoints/best, "
                           "never pruned); each --save-every and final save is then evaluated first")
     async_save: bool = opt(False, "write the --save-every checkpoints in the background (DCP async_save: staged to "
                            "CPU, on a GPU into a pinned host copy of the rank's state kept for the run, which FSDP1 "
@@ -2054,6 +2055,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     # For MFU: the model's own count of training flops per token, or, for a model that has none
     # (one of yours through the seams), the usual estimate of 6 per parameter.
     flops_tok = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * params["total"]
+    eval_note = getattr(model, "evaluation_note", "")  # what the validation figures mean, where a model says
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
     dist.all_gather_object(params["per_rank"], local_parameter_count(model))
@@ -2065,6 +2067,8 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         log.line(note)
     start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, log)
     log_summary(log, cfg, topo, plan, params, data.n_val)
+    if eval_note:
+        log.line(eval_note)
 
     profiler = start_profiler(cfg, rank)
     stop_flag, previous_handlers = install_stop_handlers()

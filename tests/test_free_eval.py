@@ -34,6 +34,8 @@ def check_evaluations(run_dir):
         assert r["val_loss"] == r["val_nll_bound"]  # the figure runs are compared and ranked by
         assert r["val_prior_ce"] > 0
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_0000004"))
+    with open(os.path.join(run_dir, "training_log.txt")) as fh:
+        assert "validation: loss = nll_bound = CE + KL" in fh.read()  # the start-up says which figure compares
 
 
 @pytest.fixture(scope="module")
