@@ -139,8 +139,12 @@ class TrainConfig:
     skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf instead of stopping")
     out_dir: str = opt("", "run directory; empty = runs/<arch>-<date-time>")
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
-    compile: bool = opt(False, "torch.compile the model (fsdp: the wrapped model, forces use_orig_params; fsdp2: "
-                        "each block before sharding) and the loss")
+    compile: bool = opt(False, "torch.compile the model (see --compile-scope; fsdp forces use_orig_params) and the "
+                        "loss")
+    compile_scope: str = opt("model", "what --compile compiles under fsdp, ddp and none: model (the whole wrapped "
+                             "model) or blocks (each block in place before wrapping: identical blocks share one "
+                             "graph, so compiling takes one block's time); fsdp2 always compiles each block",
+                             ["model", "blocks"])
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
                       "(dumps into RUN_DIR/flight_recorder when a collective times out)")
@@ -416,6 +420,10 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
+    regional = cfg.train.compile and (strategy == "fsdp2" or cfg.train.compile_scope == "blocks")
+    if regional and strategy != "fsdp2":
+        for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
+            b.compile()
     if strategy == "fsdp2":
         return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
     if strategy == "fsdp":
@@ -433,7 +441,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
             model = model.to(device)
     if f.activation_checkpointing:
         checkpoint_blocks(model, blocks[::f.ac_every])
-    if cfg.train.compile:
+    if cfg.train.compile and not regional:
         model = torch.compile(model)
     return model
 

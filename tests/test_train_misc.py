@@ -32,6 +32,7 @@ def runs(tmp_path_factory):
     return launch(tmp, 2, {
         "plain": [],
         "compiled": ["--compile"],
+        "compiled_blocks": ["--compile", "--compile-scope", "blocks"],
         "scaled": ["--lr-scale-base-batch", "4", "--lr", "1e-3"],
         "epochs": ["--max-steps", "0", "--epochs", "0.0005", "--dataset", "synthetic"],
         "profiled": ["--profile"],
@@ -48,6 +49,11 @@ def test_compile_with_fsdp_matches_eager(runs):
     assert_same(runs["compiled"][0], runs["plain"][0], rel=1e-4)
     with open(os.path.join(runs["compiled"][2], "training_log.txt")) as fh:
         assert "strategy fsdp" in fh.read()
+
+
+def test_compiling_each_block_matches_eager(runs):
+    """--compile-scope blocks: each block compiled in place before FSDP wraps it, same losses."""
+    assert_same(runs["compiled_blocks"][0], runs["plain"][0], rel=1e-4)
 
 
 def test_linear_lr_scaling_with_global_batch(runs):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 27 on 2 GPUs: start-up and step time of the 6 x 384 character model (tiny Shakespeare),
+# whole-model against per-block compilation, cold and warm compile caches, per-block FSDP units
+# against one unit, a minimal reference trainer on the same task (NANOGPT=dir, optional); the 1b
+# step at micro-batch 12 under both compile scopes; then 2-GPU ddp / fsdp / fsdp2.
+#   bash tools/speed_gpu.sh CORPUS.txt RESULTS_DIR
+set -uo pipefail
+CORPUS=$1; R=$2; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
+SB="python tools/startup_bench.py"
+SMALL="--dataset $CORPUS --tokenizer-type char --tokenizer-vocab-size 256 --val-fraction 0.1 --arch baseline \
+ --n-layer 6 --d-model 384 --n-head 6 --seq-len 256 --global-batch 64 --dropout 0.2 --lr 1e-3 --beta2 0.99 \
+ --warmup-steps 100 --max-steps 300 --eval-every 0 --eval-samples 64 --no-save-final --log-every 10 --compile --overwrite"
+ONE="--size 1b --arch baseline --meta-init --no-tie-embeddings --dataset random --tokenizer-vocab-size 32000 \
+ --seq-len 2048 --micro-batch 12 --global-batch 12 --max-steps 24 --log-every 1 --eval-every 0 --eval-samples 8 \
+ --no-save-final --warmup-steps 2 --lr 3e-4 --compile --overwrite"
+UNIT="--auto-wrap size --min-num-params 1000000000"
+T="python train_fsdp.py"
+# GPU 1: the 1b step under both scopes (fsdp, one GPU), in the background.
+(export CUDA_VISIBLE_DEVICES=1; $SB --skip 8 $R/onegpu_1b.json \
+   "1b fsdp compile model=$T $ONE --out-dir $W/1b-m" "1b fsdp compile blocks=$T $ONE --compile-scope blocks --out-dir $W/1b-b" \
+   "1b fsdp2 compile=$T $ONE --strategy fsdp2 --out-dir $W/1b-f2" > $R/onegpu_1b.log 2>&1) &
+# GPU 0: the small model. cold = fresh inductor and data caches; warm = the same ones again.
+export CUDA_VISIBLE_DEVICES=0
+ref=()
+if [ -n "${NANOGPT:-}" ]; then
+  ref=("nanoGPT compile=cd $NANOGPT && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iters=1 --log_interval=10 --out_dir=$W/ng")
+fi
+$SB $R/onegpu_small.json "${ref[@]}" \
+  "none model cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-m $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/s1" \
+  "none model warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-m $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/s1" \
+  "none blocks cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-b $T $SMALL --strategy none --compile-scope blocks --cache-dir $W/dc2 --out-dir $W/s2" \
+  "none blocks warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-b $T $SMALL --strategy none --compile-scope blocks --cache-dir $W/dc2 --out-dir $W/s2" \
+  "fsdp units model=$T $SMALL --cache-dir $W/dc1 --out-dir $W/s3" \
+  "fsdp units blocks=$T $SMALL --compile-scope blocks --cache-dir $W/dc1 --out-dir $W/s3" \
+  "fsdp one-unit model=$T $SMALL $UNIT --cache-dir $W/dc1 --out-dir $W/s3" \
+  "fsdp one-unit blocks=$T $SMALL $UNIT --compile-scope blocks --cache-dir $W/dc1 --out-dir $W/s3" \
+  "fsdp2 units=$T $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/s3" \
+  "fsdp2 one-unit=$T $SMALL --strategy fsdp2 $UNIT --cache-dir $W/dc1 --out-dir $W/s3" > $R/onegpu_small.log 2>&1
+wait
+# Both GPUs: the small model over 2 processes.
+unset CUDA_VISIBLE_DEVICES
+TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
+$SB $R/twogpu_small.json \
+  "2gpu ddp model=$TR $SMALL --strategy ddp --cache-dir $W/dc1 --out-dir $W/t" \
+  "2gpu fsdp units model=$TR $SMALL --cache-dir $W/dc1 --out-dir $W/t" \
+  "2gpu fsdp units blocks=$TR $SMALL --compile-scope blocks --cache-dir $W/dc1 --out-dir $W/t" \
+  "2gpu fsdp one-unit blocks=$TR $SMALL $UNIT --compile-scope blocks --cache-dir $W/dc1 --out-dir $W/t" \
+  "2gpu fsdp2 units=$TR $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/t" \
+  "2gpu fsdp2 one-unit=$TR $SMALL --strategy fsdp2 $UNIT --cache-dir $W/dc1 --out-dir $W/t" > $R/twogpu_small.log 2>&1
+cat $R/onegpu_small.log $R/onegpu_1b.log $R/twogpu_small.log

@@ -1,0 +1,60 @@
+"""Launch-to-first-step time and steady step time of whole training commands (issue 27).
+
+    python tools/startup_bench.py [--skip N] OUT.json NAME=COMMAND [NAME=COMMAND ...]
+
+Each COMMAND (a shell line) runs to its end, one after another, with its output read line by
+line. Start-up is the wall time from the launch to the first line that reports a finished
+training step: `step      1 |` (train_fsdp.py with --log-every 1) or `iter 0:` (nanoGPT).
+The step time is the median of the per-step times the command logs after its first N steps (20):
+train_fsdp.py's `N ms/step` (the mean over its log window) or nanoGPT's `time N ms`. Prints a
+table and writes OUT.json.
+"""
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+FIRST = re.compile(r"^step\s+1 \||^iter 0:")
+STEP = re.compile(r"^step\s+(\d+) \|.*\| ([\d.]+) ms/step|^iter (\d+): .*time ([\d.]+)ms")
+
+
+def measure(command, skip):
+    t0, first, times = time.perf_counter(), None, []
+    proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-20:]
+        if first is None and FIRST.search(line):
+            first = time.perf_counter() - t0
+        m = STEP.search(line)
+        if m:
+            step, ms = (int(m[1]), float(m[2])) if m[1] else (int(m[3]), float(m[4]))
+            if step > skip:
+                times.append(ms)
+    code = proc.wait()
+    return {"rc": code, "startup_s": first, "step_ms": statistics.median(times) if times else None,
+            "steps_timed": len(times), "wall_s": time.perf_counter() - t0, "tail": "".join(tail[-5:]) if code else ""}
+
+
+def main():
+    args, skip = sys.argv[1:], 20
+    if args[0] == "--skip":
+        skip, args = int(args[1]), args[2:]
+    out, results = args[0], {}
+    for spec in args[1:]:
+        name, command = spec.split("=", 1)
+        results[name] = {"command": command, **measure(command, skip)}
+        r = results[name]
+        print(f"{name:40s} rc {r['rc']} start {r['startup_s'] or float('nan'):6.1f} s  step "
+              f"{r['step_ms'] or float('nan'):7.2f} ms  ({r['steps_timed']} logged)  wall {r['wall_s']:.0f} s",
+              flush=True)
+        if r["rc"]:
+            print(r["tail"], flush=True)
+        with open(out, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
