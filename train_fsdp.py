@@ -1040,14 +1040,22 @@ def write_rng_state(tmp, rank):
 
 
 def rng_state():
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """Every RNG state as tensors and lists of plain numbers, which torch.load reads with
+    weights_only=True (numpy's own state holds an array, a pickled class)."""
+    key, numpy_keys, *numpy_rest = np.random.get_state()
+    version, python_keys, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": [key, numpy_keys.tolist(), *numpy_rest],
+            "python": [version, list(python_keys), gauss_next],
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state):
+    """rng_state() back, or what releases before it saved (tuples, numpy's keys as an array)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    key, numpy_keys, *numpy_rest = state["numpy"]
+    np.random.set_state((key, np.asarray(numpy_keys, dtype=np.uint32), *numpy_rest))
+    version, python_keys, gauss_next = state["python"]
+    random.setstate((version, tuple(python_keys), gauss_next))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
