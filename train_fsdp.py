@@ -1006,7 +1006,7 @@ def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=N
 
 
 def consolidated_payload(state, meta):
-    """The single-file format: torch.load(path)["model"] loads into an unwrapped model."""
+    """The single-file format: torch.load(path, weights_only=True)["model"] loads into an unwrapped model."""
     return {"model": state, "config": meta["config"], "step": meta["step"], "tokens_seen": meta["tokens_seen"],
             "tokenizer": meta["tokenizer"]}
 
