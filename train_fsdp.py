@@ -1419,7 +1419,8 @@ def dcp_reader(dcp_dir):
 def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
     """Restore model, optimizer, scaler and RNG states; returns the checkpoint's meta. A sharded
     checkpoint loads at any world size and sharding strategy (DCP reshards). A file that has its
-    size but not its content fails here, on some ranks or all: every rank raises RunFailed."""
+    size but not its content fails here, on some ranks or all: every rank raises RunFailed (a
+    refused one, see load_weights_only: BadInput)."""
     meta = check_checkpoint(path)
     error = None  # (message, what it is: "failed", "refused" or "unreadable") of this rank
     try:
