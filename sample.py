@@ -16,6 +16,8 @@ import collections
 import json
 import math
 import os
+import pickle
+import re
 import sys
 
 import torch
@@ -48,7 +50,13 @@ def find_checkpoint(path):
 
 def load_model(path, device):
     """An unwrapped model from a consolidated checkpoint, in eval mode, plus the checkpoint."""
-    ckpt = torch.load(find_checkpoint(path), map_location="cpu")
+    path = find_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only
+    except pickle.UnpicklingError as e:  # torch stopped before anything in it ran
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        fail(f"refused to load {path}: " + (f"it asks for {found[1]}, which no checkpoint holds (a pickle that can "
+                                            "run code)" if found else "not tensors and plain values (damaged?)"))
     model = model_lib.build_model(model_lib.ModelConfig(**model_lib.saved_fields(ckpt["config"]["model"])))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt

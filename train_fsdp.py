@@ -25,7 +25,9 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
+import re
 import resource
 import shutil
 import signal
@@ -47,7 +49,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -1013,7 +1015,7 @@ def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=N
 
 
 def consolidated_payload(state, meta):
-    """The single-file format: torch.load(path)["model"] loads into an unwrapped model."""
+    """The single-file format: torch.load(path, weights_only=True)["model"] loads into an unwrapped model."""
     return {"model": state, "config": meta["config"], "step": meta["step"], "tokens_seen": meta["tokens_seen"],
             "tokenizer": meta["tokenizer"]}
 
@@ -1049,14 +1051,22 @@ def write_rng_state(tmp, rank):
 
 
 def rng_state():
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """Every RNG state as tensors and lists of plain numbers, which torch.load reads with
+    weights_only=True (numpy's own state holds an array, a pickled class)."""
+    key, numpy_keys, *numpy_rest = np.random.get_state()
+    version, python_keys, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(), "numpy": [key, numpy_keys.tolist(), *numpy_rest],
+            "python": [version, list(python_keys), gauss_next],
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state):
+    """rng_state() back, or what releases before it saved (tuples, numpy's keys as an array)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    key, numpy_keys, *numpy_rest = state["numpy"]
+    np.random.set_state((key, np.asarray(numpy_keys, dtype=np.uint32), *numpy_rest))
+    version, python_keys, gauss_next = state["python"]
+    random.setstate((version, tuple(python_keys), gauss_next))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -1334,26 +1344,110 @@ def find_resume_checkpoint(run_dir, notes, skip=()):
     return None, None
 
 
+# Loading never runs code from a checkpoint, which may come from anyone (--init-from a
+# colleague's run, a run directory copied from a shared filesystem). The .pt files are read
+# with weights_only=True; DCP's .metadata, a plain pickle, by RestrictedUnpickler. A file that
+# asks for anything else is refused (BadInput) before anything in it runs.
+
+# The globals of DCP metadata: those of real checkpoints of every strategy (none, ddp, fsdp and
+# fsdp2, HSDP, 1-4 processes, fp16, optimizer state), recorded by unpickling their .metadata, and
+# every torch dtype. Each only builds a value; callables that could run code are not among them.
+DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")} | {
+    ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+# What an RNG file of releases before rng_state() holds besides tensors: numpy's array, rebuilt
+# by its _reconstruct (named numpy._core... by numpy 2, numpy.core... by numpy 1).
+NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))] + [
+    (np.ndarray(0).__reduce__()[0], f"numpy.{core}.multiarray._reconstruct") for core in ("_core", "core")]
+
+
+def refusal(path, name):
+    return (f"refused to load {path}: it asks for {name}, which no checkpoint holds (a pickle that can run "
+            "code); nothing in it was run")
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only the globals `allowed` ((module, name) pairs); any other refuses the file
+    `path` (BadInput), checked before its module is imported."""
+
+    def __init__(self, file, path, allowed):
+        super().__init__(file)
+        self.path, self.allowed = path, allowed
+
+    def find_class(self, module, name):
+        if (module, name) not in self.allowed:
+            raise BadInput(refusal(self.path, f"{module}.{name}"))
+        return super().find_class(module, name)
+
+
+def load_weights_only(path, **kwargs):
+    """torch.load with weights_only=True: tensors and plain values. A file that asks for any other
+    global is refused (BadInput); bytes that are no pickle at all raise as torch raised them."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # how torch names a global it does not admit
+        if found:
+            raise BadInput(refusal(path, found[1])) from None
+        with open(path, "rb") as fh:  # a plain pickle torch does not parse (protocol 4, say)
+            try:
+                RestrictedUnpickler(fh, path, set()).load()  # refuses it at its first global
+            except BadInput:
+                raise
+            except Exception:  # not a pickle either: damaged
+                pass
+        raise
+
+
+class MetadataCheckingReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader with .metadata read by RestrictedUnpickler. The rest is its
+    read_metadata as of torch 2.13: the same file (or a rank's own), storage_meta and load_id;
+    storage_data and version are fields of the metadata, read as they are."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = RestrictedUnpickler(fh, str(path), DCP_METADATA_GLOBALS).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def dcp_reader(dcp_dir):
+    """The storage reader for dcp.load, its metadata read once here: a refusal inside dcp.load
+    would be logged there and taken for missing metadata."""
+    reader = MetadataCheckingReader(dcp_dir)
+    reader.read_metadata()
+    return reader
+
+
 def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
     """Restore model, optimizer, scaler and RNG states; returns the checkpoint's meta. A sharded
     checkpoint loads at any world size and sharding strategy (DCP reshards). A file that has its
-    size but not its content fails here, on some ranks or all: every rank raises RunFailed."""
+    size but not its content fails here, on some ranks or all: every rank raises RunFailed (a
+    refused one, see load_weights_only: BadInput)."""
     meta = check_checkpoint(path)
-    error = None  # (message, whether the files are unreadable) of this rank
+    error = None  # (message, what it is: "failed", "refused" or "unreadable") of this rank
     try:
         load_states(path, meta, model, optimizer, scaler, topo, cfg.train.seed)
     except RunFailed as e:  # readable, but not resumable (e.g. saved without optimizer state)
-        error = (str(e), False)
+        error = (str(e), "failed")
+    except BadInput as e:  # a file that asks to run code: stop, not an older checkpoint instead
+        error = (str(e), "refused")
     except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
-        error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", False)
+        error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", "failed")
     except (Exception, CheckpointException) as e:  # bytes that do not load (CheckpointException is
         # a BaseException)
-        error = (f"rank {topo.rank}: {type(e).__name__}: {e}", True)
+        error = (f"rank {topo.rank}: {type(e).__name__}: {e}", "unreadable")
     error = any_rank_error(error, topo)
-    if error and error[1]:
+    if error and error[1] == "unreadable":
         raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupted: {error[0].splitlines()[0]}")
     if error:
-        raise RunFailed(error[0].splitlines()[0])
+        raise (BadInput if error[1] == "refused" else RunFailed)(error[0].splitlines()[0])
     return meta
 
 
@@ -1362,11 +1456,11 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         # get_optimizer_state_dict initialises empty optimizer state first, so DCP has tensors to
         # load into even before the first step (otherwise resharding fails on missing keys).
         state = sharded_state(model, optimizer)
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        dcp.load(state, storage_reader=dcp_reader(os.path.join(path, "dcp")))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
-        payload = torch.load(os.path.join(path, "model.pt"), map_location="cpu", mmap=True, weights_only=True)
+        payload = load_weights_only(os.path.join(path, "model.pt"), mmap=True)
         if "optim" not in payload:
             raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); start a new run "
                             "from its weights with --init-from instead")
@@ -1377,7 +1471,8 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         scaler.load_state_dict(meta["scaler"])
     rng_file = os.path.join(path, f"rng_rank{topo.rank}.pt")
     if meta["world_size"] == topo.world:
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):  # files of earlier releases: exact too
+            set_rng_state(load_weights_only(rng_file))
     else:  # other ranks, other streams: seed them from the step so the run stays reproducible
         torch.manual_seed(seed + topo.rank + 1_000_003 * meta["step"])
 
@@ -1429,10 +1524,10 @@ def check_init_from(path, shapes):
     is written."""
     kind, where = checkpoint_weights(path)
     if kind == "full":
-        state = torch.load(where, map_location="cpu", mmap=True, weights_only=True)["model"]
+        state = load_weights_only(where, mmap=True)["model"]
         theirs = {k: tuple(v.shape) for k, v in state.items()}
     else:
-        metadata = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+        metadata = MetadataCheckingReader(where).read_metadata().state_dict_metadata
         theirs = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
                   if k.startswith("model.") and hasattr(m, "size")}
     problems = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in shapes.items()
@@ -1447,11 +1542,11 @@ def init_weights_from(path, model):
     """Load only the model weights of a checkpoint (fresh optimizer, step 0)."""
     kind, where = checkpoint_weights(path)
     if kind == "full":
-        state = torch.load(where, map_location="cpu", mmap=True, weights_only=True)["model"]
+        state = load_weights_only(where, mmap=True)["model"]
         set_model_state_dict(model, state, options=state_dict_options("init"))
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=where)
+        dcp.load(state, storage_reader=dcp_reader(where))
         set_model_state_dict(model, state["model"])
 
 
@@ -1481,7 +1576,7 @@ def export_checkpoint(path):
     # Only the model's tensors, read by DCP in this one process: the optimizer's two fp32 copies
     # are never loaded or written (DCP's dcp_to_torch_save would). No process group exists here,
     # so dcp.load reads as one process by itself (its no_dist flag is not in every release).
-    reader = dcp.FileSystemReader(os.path.join(path, "dcp"))
+    reader = MetadataCheckingReader(os.path.join(path, "dcp"))
     model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                    for key, md in reader.read_metadata().state_dict_metadata.items()
                    if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}

@@ -1,6 +1,7 @@
 """Checkpoints of train_fsdp.py on CPU with gloo: exact resume, resharding to other world sizes
 and strategies, kill -9 during a save, SIGTERM/SIGUSR1, corrupted checkpoints, a full disk,
---export, config-change refusal, --init-from, non-finite losses and keep-K.
+--export, config-change refusal, --init-from, non-finite losses, keep-K, and checkpoints that
+hold a pickle which would run code (refused by every load path; nothing runs).
 
 An interruption is simulated deterministically: a reference run of 10 steps saves at 3, 6, 9
 and 10; a copy of its run directory loses the checkpoints after step 6 (latest -> step 6) and
@@ -11,10 +12,13 @@ process, not once per run): `ref2` (2 processes, the references), `four` (4 proc
 `res2` (2 processes, resumes) and `one` (1 process). Exit codes, signals and kills need real
 processes: those start train_fsdp.py directly.
 """
+import collections
 import concurrent.futures
+import copyreg
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -24,8 +28,10 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -159,6 +165,63 @@ def garble(path):
         fh.write(bytes(i * 7 % 251 for i in range(size)))
 
 
+class Pickled:
+    """Pickles as the call fn(*args): unpickling it would make that call."""
+
+    def __init__(self, fn, *args):
+        self.call = (fn, args)
+
+    def __reduce__(self):
+        return self.call
+
+
+def payload(marker):
+    """What a checkpoint from elsewhere could hold: a pickle that runs `touch marker`."""
+    return Pickled(os.system, f"touch {marker}")
+
+
+def pickled(obj):
+    """A writer of pickle.dump(obj) to a path (as DCP writes its .metadata)."""
+    def write(path):
+        with open(path, "wb") as fh:
+            pickle.dump(obj, fh)
+    return write
+
+
+def plant(step_dir, rel, write):
+    """Replace the checkpoint file `rel` of `step_dir` by write(path), and record its new size in
+    meta.json, so the checkpoint passes the size check and only loading can refuse it."""
+    path = os.path.join(str(step_dir), rel)
+    write(path)
+    meta_path = os.path.join(str(step_dir), "meta.json")
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    meta["files"][rel] = os.path.getsize(path)
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
+
+
+def pickle_of_same_size(marker):
+    """A plain pickle of payload(marker) padded to the file's size (pickle ignores bytes after STOP):
+    the size check passes without touching meta.json."""
+    def write(path):
+        data = pickle.dumps(payload(marker))
+        data += b"\0" * (os.path.getsize(path) - len(data))
+        with open(path, "wb") as fh:
+            fh.write(data)
+    return write
+
+
+def previous_release_rng(path):
+    """Rewrite an RNG file as releases before rng_state() wrote it: numpy's and Python's states
+    as np.random.get_state() and random.getstate() return them (a numpy array, tuples)."""
+    state = torch.load(path, weights_only=True)
+    key, numpy_keys, *numpy_rest = state["numpy"]
+    version, python_keys, gauss_next = state["python"]
+    torch.save({"torch": state["torch"], "numpy": (key, np.array(numpy_keys, dtype=np.uint32), *numpy_rest),
+                "python": (version, tuple(python_keys), gauss_next), "cuda": state["cuda"]}, path)
+
+
 def cmd_args(run_dir, cache, extra):
     """The command line launch() builds for a run: TINY, its directories, then the extras."""
     return TINY + ["--out-dir", str(run_dir), "--cache-dir", str(cache)] + list(extra)
@@ -288,7 +351,7 @@ def dcp_state(dcp_dir, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     out = os.path.join(str(tmp_path), f"dcp-{abs(hash(dcp_dir))}.pt")
     dcp_to_torch_save(dcp_dir, out)
-    return torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=True)
 
 
 def tensors(obj, prefix=""):
@@ -382,6 +445,11 @@ def res2(tmp_path_factory, ref2, four, one):
         d = interrupted_copy(ref2["FULL_SHARD"][2], tmp / f"res2-{name}")
         garble(os.path.join(ckpt_root(d), "step_0000006", rel))
         runs[name] = R
+    # The previous release's RNG files (numpy's state pickled as an array): resumed exactly.
+    d = interrupted_copy(ref2["FULL_SHARD"][2], tmp / "res2-previous_release")
+    for rank in (0, 1):
+        plant(os.path.join(ckpt_root(d), "step_0000006"), f"rng_rank{rank}.pt", previous_release_rng)
+    runs["previous_release"] = R
     # Allowed changes: resumed and logged.
     interrupted_copy(ref2["FULL_SHARD"][2], tmp / "res2-allowed")
     runs["allowed"] = R + ["--max-steps", "12", "--log-every", "2", "--sharding-strategy", "SHARD_GRAD_OP"]
@@ -459,12 +527,23 @@ def test_free_transformer_resume_restores_the_sampling_rng(ref2, res2):
     """Z is sampled from the torch RNG: without restoring it, steps 7-10 would differ."""
     meta = train_fsdp.check_checkpoint(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006"))
     assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(meta["files"])
-    r0 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank0.pt"), weights_only=False)
-    r1 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank1.pt"), weights_only=False)
+    r0 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank0.pt"), weights_only=True)
+    r1 = torch.load(os.path.join(ckpt_root(ref2["free"][2]), "step_0000006", "rng_rank1.pt"), weights_only=True)
     assert not torch.equal(r0["torch"], r1["torch"])  # one stream per rank
     # Sampling moved the stream away from its seed: a resume that only re-seeded would differ.
     assert not torch.equal(r0["torch"], torch.Generator().manual_seed(1337).get_state())
     assert res2["free"][0] == ref2["free"][0]
+
+
+def test_previous_release_checkpoint_resumes_exactly(ref2, res2):
+    """RNG files as releases before rng_state() wrote them (a pickled numpy array, which plain
+    weights_only refuses) resume bit-identically: read with numpy's array admitted, nothing else."""
+    rng_file = os.path.join(ckpt_root(res2["previous_release"][2]), "step_0000006", "rng_rank1.pt")
+    with pytest.raises(pickle.UnpicklingError, match="numpy"):  # the planted file, still there
+        torch.load(rng_file, weights_only=True)
+    losses, val, run_dir = res2["previous_release"]
+    assert resumed_step(run_dir) == 6 and "RNG streams re-seeded" not in log_text(run_dir)
+    assert losses == ref2["FULL_SHARD"][0] and val["val_loss"] == ref2["FULL_SHARD"][1]["val_loss"]
 
 
 # =============================================================================================
@@ -757,7 +836,7 @@ def test_weight_decay_only_on_matrices(ref2, one, tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory, ref2):
+def cli_runs(tmp_path_factory, ref2, one):
     tmp = tmp_path_factory.mktemp("cli")
     cache = tmp / "cache"
     src = ref2["FULL_SHARD"][2]
@@ -799,6 +878,25 @@ def cli_runs(tmp_path_factory, ref2):
     with open(os.path.join(exp, "meta.json"), "w") as fh:
         json.dump(meta, fh)
     jobs["export"] = lambda: cli(["--export", exp])
+
+    # Checkpoints with a pickle that would create MARKER (payload) in their RNG file, .metadata or
+    # model.pt: resume, --init-from, --export and sample.py each refuse them (REFUSALS).
+    marker = tmp / "MARKER"
+    rng_run = interrupted_copy(one["none_save"][2], tmp / "refused_rng")  # 1 process: its RNG file is read
+    pickle_of_same_size(marker)(os.path.join(ckpt_root(rng_run), "step_0000006", "rng_rank0.pt"))
+    jobs["resume_rng"] = lambda: cli(cmd_args(rng_run, cache, R + ["--strategy", "none"]))
+    meta_step = shutil.copytree(os.path.join(ckpt_root(src), "step_0000009"), tmp / "refused_metadata")
+    plant(meta_step, os.path.join("dcp", ".metadata"), pickled(payload(marker)))
+    jobs["resume_metadata"] = lambda: cli(cmd_args(tmp / "resume_metadata", cache, R + ["--resume", meta_step]))
+    jobs["init_metadata"] = lambda: cli(cmd_args(tmp / "init_metadata", cache, ["--init-from", meta_step]))
+    jobs["export_metadata"] = lambda: cli(["--export", meta_step])
+    pt_run = interrupted_copy(ref2["full"][2], tmp / "refused_pt")
+    model_pt = os.path.join(ckpt_root(pt_run), "step_0000006", "model.pt")
+    plant(os.path.dirname(model_pt), "model.pt", lambda p: torch.save({"model": payload(marker)}, p))
+    jobs["resume_pt"] = lambda: cli(cmd_args(pt_run, cache, R + VARIANTS["full"]))
+    jobs["init_pt"] = lambda: cli(cmd_args(tmp / "init_pt", cache, ["--init-from", model_pt]))
+    jobs["sample_pt"] = lambda: subprocess.run([sys.executable, "sample.py", "--ckpt", pt_run], cwd=ROOT,
+                                               env=clean_env(), capture_output=True, text=True, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -850,6 +948,46 @@ def test_overwrite_starts_afresh_and_deletes_old_checkpoints(ref2, res2):
     assert sorted(os.listdir(ckpt_root(run_dir))) == ["latest", "step_0000004"]
     assert loss_steps(run_dir) == [1, 2, 3, 4]
     assert losses[0] == ref2["FULL_SHARD"][0][0]  # step 1 (before any update): a fresh start
+
+
+REFUSALS = {"resume_rng": "refused_rng/checkpoints/step_0000006/rng_rank0.pt",  # job: the file it names
+            "resume_metadata": "refused_metadata/dcp/.metadata", "init_metadata": "refused_metadata/dcp/.metadata",
+            "export_metadata": "refused_metadata/dcp/.metadata",
+            "resume_pt": "refused_pt/checkpoints/step_0000006/model.pt",
+            "init_pt": "refused_pt/checkpoints/step_0000006/model.pt",
+            "sample_pt": "refused_pt/checkpoints/step_0000006/model.pt"}
+
+
+@pytest.mark.parametrize("job", list(REFUSALS))
+def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(cli_runs, job):
+    results, _, tmp = cli_runs
+    line = error_line(results[job], train_fsdp.EXIT_BAD_INPUT, alone=True)
+    assert f"refused to load {tmp / REFUSALS[job]}: it asks for {os.system.__module__}.system" in line, line
+    assert not os.path.exists(tmp / "MARKER")
+    assert not os.path.exists(tmp / "refused_metadata" / "model.pt")  # --export wrote nothing
+    assert not os.path.exists(tmp / "init_metadata") and not os.path.exists(tmp / "init_pt")
+
+
+def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables(ref2, four, one, tmp_path):
+    """MetadataCheckingReader's allow-list: the .metadata of checkpoints of every strategy (fsdp
+    with each sharding, fsdp2, ddp, none; fp16 scaler; 1, 2 and 4 processes) reads as DCP's own
+    reader reads it; generic callables and containers no DCP metadata holds are refused."""
+    runs = [r[2] for r in (*ref2.values(), *four.values(), *one.values())]
+    dirs = [os.path.join(ckpt_root(r), n, "dcp") for r in runs for n in train_fsdp.complete_checkpoints(ckpt_root(r))]
+    dirs = [d for d in dirs if os.path.isdir(d)]
+    assert len(dirs) > 40
+    for d in dirs:
+        ours, theirs = train_fsdp.MetadataCheckingReader(d).read_metadata(), dcp.FileSystemReader(d).read_metadata()
+        ours.storage_meta.load_id = theirs.storage_meta.load_id  # a fresh id per reader
+        assert ours == theirs, d
+    for name, obj in [("builtins.eval", Pickled(eval, "1")), ("posix.system", Pickled(os.system, "true")),
+                      ("copyreg._reconstructor", Pickled(copyreg._reconstructor, dict, dict, {})),
+                      ("collections.OrderedDict", Pickled(collections.OrderedDict)),
+                      ("builtins.getattr", Pickled(getattr, "", "upper"))]:
+        os.makedirs(tmp_path / name)
+        pickled(obj)(tmp_path / name / ".metadata")
+        with pytest.raises(train_fsdp.BadInput, match=f"refused to load .*{name}"):
+            train_fsdp.MetadataCheckingReader(str(tmp_path / name)).read_metadata()
 
 
 def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):

@@ -592,7 +592,7 @@ def check_run_dir(run_dir, expected_cfg, steps):
     assert (run_dir / "training_log.txt").read_text().strip()
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{steps:07d}"
-    payload = torch.load(run_dir / "checkpoints" / latest / "model.pt")
+    payload = torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
     assert payload["step"] == steps and payload["config"] == config
     model = model_lib.build_model(model_lib.ModelConfig(**payload["config"]["model"]))
     model.load_state_dict(payload["model"])  # strict: every key and shape matches

@@ -326,8 +326,8 @@ def test_other_fsdp_knobs_change_no_loss(single, two):
 def assert_same_run_and_weights(run, ref):
     """Equal losses, and equal final weights (the consolidated model.pt of step 5)."""
     assert_same_run(run, ref)
-    a = torch.load(os.path.join(run[2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    b = torch.load(os.path.join(ref[2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    a = torch.load(os.path.join(run[2], "checkpoints", "step_0000005", "model.pt"), weights_only=True)["model"]
+    b = torch.load(os.path.join(ref[2], "checkpoints", "step_0000005", "model.pt"), weights_only=True)["model"]
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
@@ -345,8 +345,9 @@ def test_free_transformer_fsdp_equals_ddp(two, run, run_ac):
     prefetch, and activation checkpointing under SHARD_GRAD_OP."""
     assert_same_run(two[run], two["free_ddp"])
     assert_same_run(two[run_ac], two["free_ddp"])
-    a = torch.load(os.path.join(two[run][2], "checkpoints", "step_0000005", "model.pt"))["model"]
-    b = torch.load(os.path.join(two["free_ddp"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    a = torch.load(os.path.join(two[run][2], "checkpoints", "step_0000005", "model.pt"), weights_only=True)["model"]
+    b = torch.load(os.path.join(two["free_ddp"][2], "checkpoints", "step_0000005", "model.pt"),
+                   weights_only=True)["model"]
     torch.testing.assert_close(a["latent.post_sampler"], b["latent.post_sampler"], rtol=1e-4, atol=1e-6)
 
 
@@ -361,7 +362,7 @@ def test_full_state_dict_loads_into_unwrapped_model(two):
     which then gives the validation loss the FSDP run reported."""
     losses, val, run_dir = two["FULL_SHARD-module"]
     with open(os.path.join(run_dir, "checkpoints", "latest")) as fh:
-        ckpt = torch.load(os.path.join(run_dir, "checkpoints", fh.read().strip(), "model.pt"))
+        ckpt = torch.load(os.path.join(run_dir, "checkpoints", fh.read().strip(), "model.pt"), weights_only=True)
     cfg = model_lib.ModelConfig(**ckpt["config"]["model"])
     model = model_lib.build_model(cfg)
     model.load_state_dict(ckpt["model"])
@@ -503,7 +504,8 @@ def test_fsdp2_tied_embeddings_stay_in_one_unit(single, two):
     assert_same_run(two["fsdp2_gqa_tied"], single["gqa_tied"])
     names = [u[0] for u in wrap_info(two["fsdp2_gqa_tied"])["units"]]
     assert "tok_emb" not in names and "lm_head" not in names and len(names) > 3, names
-    final = torch.load(os.path.join(two["fsdp2_tied_meta"][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+    final = torch.load(os.path.join(two["fsdp2_tied_meta"][2], "checkpoints", "step_0000005", "model.pt"),
+                       weights_only=True)["model"]
     assert torch.equal(final["tok_emb.weight"], final["lm_head.weight"])
     losses = two["fsdp2_tied_meta"][0]
     assert losses[-1] < losses[0] and losses != two["fsdp2_gqa_tied"][0]

@@ -104,7 +104,7 @@ def test_custom_model_through_the_seams(tmp_path):
         assert res.returncode == 0, res.stderr[-4000:]
         with open(out / "metrics.jsonl") as fh:
             losses[name] = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
-        ckpt = torch.load(out / "checkpoints" / "step_0000008" / "model.pt")
+        ckpt = torch.load(out / "checkpoints" / "step_0000008" / "model.pt", weights_only=True)
         assert ckpt["model"].keys() == TokenMLP().state_dict().keys()
     assert len(losses["single"]) == 8
     for a, b in zip(losses["fsdp2"], losses["single"]):
