@@ -1,4 +1,4 @@
-"""Issue 16 on CPU: --keep-best (checkpoints/best survives keep-K pruning and resumes, and
+"""--keep-best (checkpoints/best survives keep-K pruning and resumes, and
 sample.py, --init-from and --export accept it), --async-save (a background write killed with
 SIGKILL leaves the previous checkpoint as latest and the run resumes exactly; a background write
 that fails stops every rank with one line, exit 1), and the flight recorder of --debug and
