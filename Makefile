@@ -57,8 +57,9 @@ bench:
 test:
 	$(PYTHON) -m pytest -q tests
 
-# ruff's settings are in pyproject.toml (pip install ruff); CI runs this before the tests.
+# ruff's settings are in pyproject.toml; CI runs this before the tests.
 lint:
+	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || { echo "error: make lint needs ruff: pip install ruff" >&2; exit 2; }
 	$(PYTHON) -m ruff check .
 
 clean:

@@ -19,7 +19,8 @@
 #   RUN_DIR (runs/slurm-$SLURM_JOB_ID)                 the trainer's --out-dir; a requeued job resumes it
 #   GPUS_PER_NODE        processes per node; default: Slurm's GPU allocation, else nvidia-smi's count
 #   CPU_PROCS_PER_NODE (2)   processes per node when the node has no GPU
-#   HEAD_NODE, RDZV_PORT     rendezvous host and port; default: first node, a free port found there
+#   HEAD_NODE, RDZV_PORT     rendezvous host and port of several nodes; default: the first node, a
+#                            free port found there. One node: torchrun binds a free port (localhost:0)
 #   SHUTDOWN_TIMEOUT (110)   seconds torchrun waits for the workers' checkpoint after SIGTERM
 #   PYTHON (python3), VENV, CONDA_ENV, MODULES, OMP_NUM_THREADS, NCCL_DEBUG
 #   TORCH_FR_BUFFER_SIZE (2000)   flight recorder entries per rank (0 = off), dumped on a hang
@@ -106,11 +107,19 @@ fi
 GRAD_ACCUM=$((TOTAL_BATCH_SIZE / PER_STEP))
 
 # --- rendezvous on the first node of the allocation (where this batch script runs) ----------
-HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)}
-RDZV_PORT=${RDZV_PORT:-$("${PYTHON}" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')}
+# One node: torchrun binds port 0 and so takes a free port as it binds it (jobs that share a
+# node never collide). Several nodes must all be told the port before the head node's torchrun
+# binds it, so a free one is looked up there first (RDZV_PORT chooses it instead).
+if [[ "${NNODES}" -eq 1 && -z "${RDZV_PORT:-}" ]]; then
+    RDZV_ENDPOINT=localhost:0
+else
+    HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)}
+    RDZV_PORT=${RDZV_PORT:-$("${PYTHON}" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')}
+    RDZV_ENDPOINT=${HEAD_NODE}:${RDZV_PORT}
+fi
 RUN_DIR=${RUN_DIR:-runs/slurm-${SLURM_JOB_ID}}
 echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${NNODES} nodes x ${PROCS_PER_NODE} = ${WORLD_SIZE} processes" \
-     "| rendezvous ${HEAD_NODE}:${RDZV_PORT} | OMP_NUM_THREADS ${OMP_NUM_THREADS}"
+     "| rendezvous ${RDZV_ENDPOINT} | OMP_NUM_THREADS ${OMP_NUM_THREADS}"
 echo "batch: total ${TOTAL_BATCH_SIZE} = ${BATCH_SIZE_PER_DEVICE} per device x ${WORLD_SIZE} processes x accumulation ${GRAD_ACCUM}"
 echo "run directory: ${RUN_DIR}"
 
@@ -210,7 +219,7 @@ rm -f "${RUN_DIR}/stopped.json"   # left by the stop before a requeue; the train
 # step would otherwise bind every process of the node to one CPU.
 srun --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=${SLURM_CPUS_PER_TASK}} "${PYTHON}" -m torch.distributed.run \
     --nnodes="${NNODES}" --nproc_per_node="${PROCS_PER_NODE}" \
-    --rdzv_backend=c10d --rdzv_endpoint="${HEAD_NODE}:${RDZV_PORT}" --rdzv_id="${SLURM_JOB_ID}" \
+    --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT}" --rdzv_id="${SLURM_JOB_ID}" \
     train_fsdp.py --global-batch "${TOTAL_BATCH_SIZE}" --micro-batch "${BATCH_SIZE_PER_DEVICE}" \
     --out-dir "${RUN_DIR}" "$@" &
 SRUN_PID=$!

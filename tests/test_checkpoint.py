@@ -22,7 +22,6 @@ import pickle
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_distributed import TINY, assert_same, clean_env, launch  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch, rendezvous_store  # noqa: E402
 
 R = ["--max-steps", "10", "--save-every", "3", "--keep-checkpoints", "4"]  # checkpoints 3, 6, 9, 10
 VARIANTS = {  # test 1: every one resumed at the same world size must be bit-identical
@@ -247,24 +246,18 @@ def error_line(proc, code, alone=False):
     return errors[0]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Workers:
     """nproc train_fsdp.py processes started without torchrun (RANK, WORLD_SIZE, ... set here),
     all in one new process group; stdout/stderr go to files."""
 
     def __init__(self, nproc, args, log_prefix):
         self.procs, self.logs = [], []
-        port = free_port()
+        self.store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
         for rank in range(nproc):
             env = clean_env()
             if nproc > 1:
                 env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                           LOCAL_WORLD_SIZE=str(nproc), **rendezvous)
             out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
             self.logs.append((out, err))
             # One new process group (led by rank 0, same session: a process may only join a group

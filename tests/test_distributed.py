@@ -47,6 +47,16 @@ def clean_env():
     return env
 
 
+def rendezvous_store():
+    """The rendezvous of processes started without torchrun: a TCPStore that this (the test)
+    process serves on a port the kernel picks as it binds (port 0), so that two test runs on one
+    machine never take the same port. Returns the store, to keep until the processes exit, and
+    the environment that makes every rank a client of it, as torchrun's workers are clients of
+    their agent's store (TORCHELASTIC_USE_AGENT_STORE: rank 0 does not try to serve one itself)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def launch(tmp_path, nproc, runs, tag, record=False):
     """Run {name: extra args} in one launch; return {name: (per-step losses, final val dict,
     run dir)}. `record`: each rank also writes comms_rank{r}.json into the run dir (comms())."""

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_checkpoint import cli, error_line, free_port, n_loss_records, snapshot  # noqa: E402
+from test_checkpoint import cli, error_line, n_loss_records, snapshot  # noqa: E402
 from test_data import english  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 
@@ -141,8 +141,8 @@ def test_usr1_to_torchrun_stops_its_workers_with_a_saved_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     wrapper = tmp_path / "slow_stop.py"
     wrapper.write_text(SLOW_STOP.format(root=ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(wrapper),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(wrapper),
            *map(str, TINY + ["--max-steps", "200", "--out-dir", run_dir, "--cache-dir", tmp_path / "cache"])]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         torchrun = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=out, stderr=err, start_new_session=True)

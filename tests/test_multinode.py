@@ -3,7 +3,6 @@ localhost) as two "nodes". HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard within a nod
 across; losses equal the single-process run (fp32, 1e-5 relative)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,13 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_distributed import TINY, assert_same, clean_env, launch, rank0_share  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_distributed import TINY, assert_same, clean_env, launch, rank0_share, rendezvous_store  # noqa: E402
 
 
 def two_nodes(tmp_path, per_node, runs, tag):
@@ -28,10 +21,13 @@ def two_nodes(tmp_path, per_node, runs, tag):
         spec[name] = TINY + ["--out-dir", out[name]] + extra
     spec_file = tmp_path / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
-    port = free_port()
+    # Both launchers must be told one endpoint, so neither can pick it: this process serves the
+    # rendezvous store on a port bound as 0, and both launchers join it as clients (is_host=false).
+    # Rank 0's launcher then serves its workers' store on a port of its own, also bound as 0.
+    store, _ = rendezvous_store()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={per_node}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={tag}",
-           os.path.join(ROOT, "tests", "dist_driver.py"), str(spec_file)]
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_conf=is_host=false",
+           f"--rdzv_id={tag}", os.path.join(ROOT, "tests", "dist_driver.py"), str(spec_file)]
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in nodes]
@@ -80,12 +76,12 @@ def test_srun_style_launch_without_torchrun(tmp_path, reference):
     SLURM_LOCALID, no RANK or WORLD_SIZE) find their rank and world size and train like one
     process. A plain `python train_fsdp.py` inside an allocation of several tasks (SLURM_NTASKS
     without a step) stays one process."""
-    port, run_dir = free_port(), tmp_path / "srun"
+    (_store, rendezvous), run_dir = rendezvous_store(), tmp_path / "srun"  # the store lives until they exit
     procs = []
     for rank in range(2):
         env = clean_env()
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_STEP_NUM_NODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   SLURM_STEP_NUM_NODES="1", **rendezvous)
         procs.append(subprocess.Popen([sys.executable, "train_fsdp.py", *TINY, "--out-dir", str(run_dir)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]

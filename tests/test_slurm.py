@@ -15,6 +15,7 @@ temporary directory for a look after a failure.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,10 +41,20 @@ def skip_loudly(why):
     pytest.skip(msg)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n different ports free now. Slurm's daemons read their ports from slurm.conf, so they
+    cannot bind port 0 and report it: the ports are found just before slurm.conf is written,
+    with every socket held until all n are found (two lookups cannot return the same port), and
+    the daemons start right after; the window is the daemons' start-up only. Jobs are race-free:
+    slurm_submit.sh's one-node rendezvous binds port 0."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def base_env(conf):
@@ -85,13 +96,14 @@ class Cluster:
     def write_conf(self):
         b = self.base
         mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 ** 20
+        ctld_port, slurmd_port = free_ports(2)
         for d in ("state", "spool"):
             os.makedirs(os.path.join(b, d), exist_ok=True)
         conf = f"""\
 ClusterName=fsdptest
 SlurmctldHost={self.host}(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire: a requeued job waits this long (default 120 s) before it may start again
@@ -136,11 +148,11 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         with open(key, "wb") as fh:
             fh.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        self.write_conf()
         # -f: munged refuses a socket under world-writable /tmp otherwise
         self.run("munged", "-f", f"--socket={self.socket}", f"--key-file={key}", f"--pid-file={b}/munged.pid",
                  f"--log-file={b}/munged.log", f"--seed-file={b}/munged.seed")
         self.started.append(("munged", f"{b}/munged.pid"))
+        self.write_conf()  # its ports are found here, just before the daemons that bind them start
         self.run("slurmctld", "-f", self.conf, "-i")
         self.started.append(("slurmctld", f"{b}/slurmctld.pid"))
         self.run("slurmd", "-f", self.conf, "-N", self.host)
@@ -183,21 +195,12 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Submit slurm_submit.sh as the README does, on CPU: no GPU request, all the node's CPUs
         in the one task. Returns the Popen of `sbatch --wait`, whose first output line is the job id."""
         exports = {"CPU_PROCS_PER_NODE": "2", "OMP_NUM_THREADS": "1", **variables}
-        if not self.host_resolves():
-            exports["HEAD_NODE"] = "127.0.0.1"
         cmd = ["sbatch", "--parsable", f"--chdir={ROOT}", f"--job-name={name}", f"--output={tmp}/{name}.out",
                f"--error={tmp}/{name}.err", "--gpus-per-node=0", f"--cpus-per-task={self.cpus}", "--time=15",
                "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items())]
         cmd += ["--wait"] if wait else []
         return subprocess.Popen(cmd + [SCRIPT] + trainer_args, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-
-    def host_resolves(self):
-        try:
-            socket.gethostbyname(self.host)
-            return True
-        except OSError:
-            return False
 
     def job_field(self, job, field):
         out = self.run("scontrol", "show", "job", str(job), "-o")
@@ -374,6 +377,24 @@ def test_processes_per_node_come_from_the_allocation(slurm_vars, procs, tmp_path
     world = 2 * procs
     assert res.stderr.strip() == (f"error: TOTAL_BATCH_SIZE=1000 is not divisible by BATCH_SIZE_PER_DEVICE=3 x {world} "
                                   f"processes (2 nodes x {procs}); use a multiple of {3 * world}"), res.stderr
+
+
+@pytest.mark.parametrize("nodes, endpoint", [("1", r"localhost:0"), ("2", r"node-a:[1-9][0-9]*")])
+def test_rendezvous_of_one_node_binds_port_0(nodes, endpoint, tmp_path):
+    """One node: torchrun binds port 0, so jobs sharing a node never take the same port. Several
+    nodes must all be told one: the first node and a port found free there. A stub srun prints
+    the torchrun command it was given (no cluster)."""
+    (tmp_path / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    (tmp_path / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\n'\n")
+    for name in ("srun", "scontrol"):
+        (tmp_path / name).chmod(0o755)
+    env = {**base_env(""), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": nodes, "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_GPUS_PER_NODE": "0", "CPU_PROCS_PER_NODE": "1", "TOTAL_BATCH_SIZE": nodes,
+           "BATCH_SIZE_PER_DEVICE": "1", "RUN_DIR": str(tmp_path / "run"), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    srun = next(line for line in res.stdout.splitlines() if line.startswith("srun "))
+    assert re.search(rf"--rdzv_endpoint={endpoint} ", srun), srun
 
 
 def requeue_decision(tmp_path, clean, signal=True, code=1):

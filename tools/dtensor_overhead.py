@@ -1,7 +1,6 @@
 """Host time of FSDP2's DTensor bookkeeping outside the hooks (issue 15's small-model lead):
 clip_grad_norm_ and a foreach AdamW step over 51 small parameters, as DTensors on a one-process
-CPU mesh against plain tensors. Usage: python tests/dtensor_overhead.py"""
-import os
+CPU mesh against plain tensors. Usage: python tools/dtensor_overhead.py"""
 import time
 
 import torch
@@ -9,8 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
 mesh = init_device_mesh("cpu", (1,))
 torch.manual_seed(0)
 shapes = [(64, 64)] * 36 + [(64,)] * 13 + [(256, 64)] * 2  # ~ a 6-block model's 51 tensors, tiny

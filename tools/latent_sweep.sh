@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Run many tests/latent_probe.py jobs at once on one GPU (the study of issue 11; BENCHMARKS.md).
-#   bash tests/latent_sweep.sh JOBS OUTDIR SECONDS
-# JOBS: one probe argument list per line (# comments allowed). Every job is stopped after
+#   bash tools/latent_sweep.sh JOBS OUTDIR SECONDS
+# JOBS: a file (- for standard input) of one probe argument list per line (# comments allowed);
+# BENCHMARKS.md gives each study's list as the command that ran it. Every job is stopped after
 # SECONDS; its evaluations so far are kept. OUTDIR/probe.jsonl collects every line.
 set -uo pipefail
 jobs_file=$1 out=$2 limit=${3:-540}
+[[ "$jobs_file" == - ]] && jobs_file=/dev/stdin
 mkdir -p "$out/parts"
 i=0
 while read -r line; do
@@ -12,7 +14,7 @@ while read -r line; do
     i=$((i + 1))
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=1 timeout "$limit" python3 tests/latent_probe.py $line --out "$out/parts/$i.jsonl" \
-        2>"$out/parts/$i.err" &
+        2>"$out/parts/$i.err" </dev/null &
 done <"$jobs_file"
 wait
 cat "$out"/parts/*.jsonl >"$out/probe.jsonl"

@@ -1,5 +1,5 @@
 """rms(R) / rms(what R is added to) at initialisation, the paper's injection against this
-repository's, at several widths (BENCHMARKS.md, issue 11):  python tests/latent_init_ratio.py"""
+repository's, at several widths (BENCHMARKS.md, issue 11):  python tools/latent_init_ratio.py"""
 import os
 import sys
 

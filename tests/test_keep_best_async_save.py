@@ -1,4 +1,4 @@
-"""Issue 16 on CPU: --keep-best (checkpoints/best survives keep-K pruning and resumes, and
+"""--keep-best (checkpoints/best survives keep-K pruning and resumes, and
 sample.py, --init-from and --export accept it), --async-save (a background write killed with
 SIGKILL leaves the previous checkpoint as latest and the run resumes exactly; a background write
 that fails stops every rank with one line, exit 1), and the flight recorder of --debug and
@@ -29,7 +29,6 @@ import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_checkpoint import (  # noqa: E402
     ckpt_root,
-    free_port,
     latest_name,
     leftovers,
     loss_steps,
@@ -37,7 +36,7 @@ from test_checkpoint import (  # noqa: E402
     records,
     resumed_step,
 )
-from test_distributed import TINY, clean_env  # noqa: E402
+from test_distributed import TINY, clean_env, rendezvous_store  # noqa: E402
 
 THIS = os.path.abspath(__file__)
 ASYNC = ["--max-steps", "8", "--save-every", "1", "--async-save", "--eval-every", "0"]
@@ -121,19 +120,21 @@ def test_init_from_export_and_sample_accept_the_best_marker(best_runs, tmp_path)
 
 def writer_run(mode, args, log_prefix, nproc=1):
     """`python THIS writer MODE ARGS` on nproc processes (RANK, WORLD_SIZE, ... set here), in one
-    new process group; returns the Popen objects and their (stdout, stderr) paths."""
-    procs, logs, port = [], [], free_port()
+    new process group; returns the Popen objects, their (stdout, stderr) paths and the rendezvous
+    store (kept until they exit)."""
+    procs, logs = [], []
+    store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
     for rank in range(nproc):
         env = clean_env()
         if nproc > 1:
             env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                       **rendezvous)
         out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
         logs.append((out, err))
         with open(out, "w") as fo, open(err, "w") as fe:
             procs.append(subprocess.Popen([sys.executable, THIS, "writer", mode, *map(str, args)], cwd=ROOT, env=env,
                                           stdout=fo, stderr=fe, process_group=0 if rank == 0 else procs[0].pid))
-    return procs, logs
+    return procs, logs, store
 
 
 def output(logs):
@@ -148,7 +149,7 @@ def test_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_
     step has trained, so a checkpoint that was not copied at its step would hold later weights."""
     run_dir = tmp_path / "run"
     args = TINY + ["--out-dir", run_dir, "--cache-dir", tmp_path / "cache"] + ASYNC
-    procs, logs = writer_run("hold4", args, str(tmp_path / "killed"))
+    procs, logs, _store = writer_run("hold4", args, str(tmp_path / "killed"))
     tmp4 = os.path.join(ckpt_root(run_dir), ".tmp-step_0000004", "dcp")
 
     def mid_write():
@@ -189,7 +190,7 @@ def test_failed_background_write_stops_every_rank_with_one_line(tmp_path):
     previous checkpoint is latest and intact."""
     run_dir = tmp_path / "run"
     args = TINY + ["--out-dir", run_dir, "--cache-dir", tmp_path / "cache"] + ASYNC
-    procs, logs = writer_run("fail4rank1", args, str(tmp_path / "failed"), nproc=2)
+    procs, logs, _store = writer_run("fail4rank1", args, str(tmp_path / "failed"), nproc=2)
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:

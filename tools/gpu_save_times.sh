@@ -3,7 +3,7 @@
 # the node (issue 16): the same run with no save, with blocking saves and with background saves
 # at steps 4 and 8 of 11. Prints the seconds each save blocked training (the "saved"/"staged"
 # log lines), the median step time, the slowest step after a save and the whole run's wall time.
-# Usage: OUT=dir bash tests/gpu_save_times.sh [size]   (size: 1b or 8b; 8b wants 4 GPUs)
+# Usage: OUT=dir bash tools/gpu_save_times.sh [size]   (size: 1b or 8b; 8b wants 4 GPUs)
 # MODES="sync async" skips the run without saves; LIMIT_S caps each run (default 300 s).
 # At 8b a checkpoint is ~87 GB (fp32 weights and AdamW state), so only the newest is kept.
 set -uo pipefail

@@ -1,6 +1,6 @@
 """Top entries of a --profile Chrome trace (the run directory's trace_rank0.json): time
 per FSDP annotation, CPU op and kernel name, summed over the profiled steps (nested ops count in
-their parents too). Usage: python tests/trace_top.py RUN_DIR"""
+their parents too). Usage: python tools/trace_top.py RUN_DIR"""
 import collections
 import glob
 import gzip

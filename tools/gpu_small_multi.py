@@ -1,6 +1,6 @@
 """The small-model entries of `bench.py --suite small` that use every GPU of the node (DDP, FSDP1,
 FSDP2, each backend's whole model as one unit), without the one-GPU entries: issue 15's
-multi-GPU comparison. Run from the repository root: `python tests/gpu_small_multi.py`."""
+multi-GPU comparison. Run from the repository root: `python tools/gpu_small_multi.py`."""
 import json
 import os
 import sys
