@@ -31,7 +31,7 @@ import model as model_lib  # noqa: E402
 TINY = ["--arch", "baseline", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--max-steps", "5",
         "--global-batch", "8", "--log-every", "1", "--eval-every", "0", "--eval-samples", "16",
         "--param-dtype", "fp32", "--reduce-dtype", "fp32", "--warmup-steps", "2", "--lr", "3e-3",
-        "--weight-decay", "0.1"]
+        "--weight-decay", "0.1", "--auto-wrap", "module"]  # each block a unit, as large models have
 GQA_TIED = ["--n-kv-head", "1", "--tie-embeddings"]  # grouped-query attention and tied embeddings
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 WRAPS = [["--auto-wrap", "module"], ["--auto-wrap", "lambda"], ["--auto-wrap", "size", "--min-num-params", "2000"]]

@@ -18,6 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_distributed import clean_env  # noqa: E402
 
@@ -95,8 +96,8 @@ def test_fsdp2_compiles_each_block_before_sharding_it():
     """--compile under fsdp2 (torchtitan's order): checkpoint_wrapper, then torch.compile of each
     block, then fully_shard of the compiled block; the root is sharded, not compiled. (Built
     only: compilation itself happens at the first forward.)"""
-    argv = ["--strategy", "fsdp2", "--compile", "--activation-checkpointing", "--ac-every", "2", "--arch", "free",
-            "--latent-bits", "4", "--n-layer", "4", "--d-model", "32", "--n-head", "2"]
+    argv = ["--strategy", "fsdp2", "--auto-wrap", "module", "--compile", "--activation-checkpointing", "--ac-every",
+            "2", "--arch", "free", "--latent-bits", "4", "--n-layer", "4", "--d-model", "32", "--n-head", "2"]
     built = run_build_script(WRAP_SCRIPT, argv)
     assert built["root"] == {"fsdp": True, "compiled": False, "checkpointed": False}
     assert built["blocks"] == [{"fsdp": True, "compiled": True, "checkpointed": i % 2 == 0} for i in range(4)]
@@ -207,3 +208,20 @@ def test_fsdp2_on_one_process_keeps_parameters_gathered(sharding, capsys):
         cfg = train_fsdp.parse_config([*argv, "--sharding-strategy", sharding])
         train_fsdp.resolve_strategy(cfg, topology(world))
         assert cfg.fsdp.sharding_strategy == sharding
+
+
+@pytest.mark.parametrize("size,one", [("tiny", True), ("350m", False)])
+def test_auto_wrap_makes_a_small_model_one_unit(size, one):
+    """--auto-wrap auto (the default): under 100M parameters no unit but the root (per-block units
+    cost host time and save little memory); from 100M on, the block classes (the module rule)."""
+    cfg = train_fsdp.parse_config(["--size", size, "--arch", "baseline"])
+    assert cfg.fsdp.auto_wrap == "auto"
+    model_lib.resolve_model_config(cfg.model, 256)
+    with torch.device("meta"):
+        model, wrap, _ = train_fsdp.build_model(cfg)
+    units = train_fsdp.shard_units(model, wrap, cfg)
+    blocks = [m for m in model.modules() if isinstance(m, tuple(wrap))]
+    assert units == ([] if one else blocks) and blocks
+    cfg.fsdp.auto_wrap = "module"
+    assert train_fsdp.shard_units(model, wrap, cfg) == blocks
+
