@@ -148,6 +148,9 @@ class TrainConfig:
                              "model) or blocks (each block in place before wrapping: identical blocks share one "
                              "graph, so compiling takes one block's time); fsdp2 always compiles each block",
                              ["model", "blocks"])
+    compile_mode: str = opt("default", "torch.compile mode of the model: default, reduce-overhead (CUDA graphs: "
+                            "fewer kernel launches for small models on a GPU), max-autotune-no-cudagraphs",
+                            ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
                       "(dumps into RUN_DIR/flight_recorder when a collective times out)")
@@ -430,7 +433,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     regional = cfg.train.compile and (strategy == "fsdp2" or cfg.train.compile_scope == "blocks")
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
-            b.compile()
+            b.compile(mode=cfg.train.compile_mode)
     if strategy == "fsdp2":
         return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
     if strategy == "fsdp":
@@ -449,7 +452,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     if f.activation_checkpointing:
         checkpoint_blocks(model, blocks[::f.ac_every])
     if cfg.train.compile and not regional:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=cfg.train.compile_mode)
     return model
 
 
@@ -603,7 +606,7 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
         parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
         for b in blocks:
             parent, name = parents[outer[b]]
-            outer[b] = torch.compile(outer[b])
+            outer[b] = torch.compile(outer[b], mode=cfg.train.compile_mode)
             parent.register_module(name, outer[b])
     kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
@@ -921,6 +924,7 @@ def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
     Returns (mean losses, global gradient norm, whether the step was skipped)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
+        new_graph_step(cfg)
         with gradient_sync(model, cfg, last=m == accum - 1):
             with precision_context(cfg, x.device):
                 loss, parts = loss_fn(model, x, y, cfg)
@@ -942,6 +946,13 @@ def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
     return totals, grad_norm, skipped
 
 
+def new_graph_step(cfg):
+    """--compile-mode reduce-overhead: a new forward begins, so CUDA graphs may reuse the memory of
+    the last replay's outputs (all read by now)."""
+    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 @torch.no_grad()
 def evaluate(model, data, cfg, topo, micro, loss_fn):
     """Mean loss over the fixed validation rows, world-size independent. Every rank runs the
@@ -954,6 +965,7 @@ def evaluate(model, data, cfg, topo, micro, loss_fn):
         start = chunk + topo.rank * micro
         count = max(0, min(micro, n - start))
         x, y = data.val_batch(start if count else 0, count or 1)
+        new_graph_step(cfg)
         with precision_context(cfg, topo.device):
             loss, parts = loss_fn(model, x.to(topo.device), y.to(topo.device), cfg)
         for k, v in {"loss": loss, **parts}.items():

@@ -3,9 +3,12 @@
 # whole-model against per-block compilation, cold and warm compile caches, per-block FSDP units
 # against one unit, a minimal reference trainer on the same task (NANOGPT=dir, optional); the 1b
 # step at micro-batch 12 under both compile scopes; then 2-GPU ddp / fsdp / fsdp2.
-#   bash tools/speed_gpu.sh CORPUS.txt RESULTS_DIR
+#   bash tools/speed_gpu.sh CORPUS.txt RESULTS_DIR [PART]
+# PART 1 (default): the runs above. PART 2: after --auto-wrap auto and --compile-mode: start-up
+# and step of none / default fsdp / fsdp2 with CUDA graphs or not against nanoGPT, and on 2 GPUs
+# ddp against the default fsdp and fsdp2 (auto) and per-block units (module).
 set -uo pipefail
-CORPUS=$1; R=$2; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
+CORPUS=$1; R=$2; PART=${3:-1}; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
 SB="python tools/startup_bench.py"
 SMALL="--dataset $CORPUS --tokenizer-type char --tokenizer-vocab-size 256 --val-fraction 0.1 --arch baseline \
  --n-layer 6 --d-model 384 --n-head 6 --seq-len 256 --global-batch 64 --dropout 0.2 --lr 1e-3 --beta2 0.99 \
@@ -15,6 +18,32 @@ ONE="--size 1b --arch baseline --meta-init --no-tie-embeddings --dataset random 
  --no-save-final --warmup-steps 2 --lr 3e-4 --compile --overwrite"
 UNIT="--auto-wrap size --min-num-params 1000000000"
 T="python train_fsdp.py"
+NG="python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iters=1 --log_interval=10"
+RO="--compile-mode reduce-overhead"
+TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
+if [ "$PART" = 2 ]; then
+  (export CUDA_VISIBLE_DEVICES=1; $SB $R/part2_gpu1.json \
+    "fsdp module=$T $SMALL --auto-wrap module --cache-dir $W/dc3 --out-dir $W/p3" \
+    "fsdp2 auto=$T $SMALL --strategy fsdp2 --cache-dir $W/dc3 --out-dir $W/p3" \
+    "fsdp2 auto reduce-overhead=$T $SMALL --strategy fsdp2 $RO --cache-dir $W/dc3 --out-dir $W/p3" \
+    > $R/part2_gpu1.log 2>&1) &
+  CUDA_VISIBLE_DEVICES=0 $SB $R/part2_gpu0.json \
+    "nanoGPT compile=cd ${NANOGPT:-.} && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng $NG --out_dir=$W/ng" \
+    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "none reduce-overhead=TORCHINDUCTOR_CACHE_DIR=$W/ind-r $T $SMALL --strategy none $RO --cache-dir $W/dc1 --out-dir $W/p1" \
+    "fsdp auto=$T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" \
+    "fsdp auto reduce-overhead=$T $SMALL $RO --cache-dir $W/dc1 --out-dir $W/p2" > $R/part2_gpu0.log 2>&1
+  wait
+  $SB $R/part2_2gpu.json \
+    "2gpu ddp=$TR $SMALL --strategy ddp --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu ddp reduce-overhead=$TR $SMALL --strategy ddp $RO --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp auto=$TR $SMALL --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp2 auto=$TR $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp module=$TR $SMALL --auto-wrap module --cache-dir $W/dc1 --out-dir $W/t" > $R/part2_2gpu.log 2>&1
+  cat $R/part2_*.log
+  exit 0
+fi
 # GPU 1: the 1b step under both scopes (fsdp, one GPU), in the background.
 (export CUDA_VISIBLE_DEVICES=1; $SB --skip 8 $R/onegpu_1b.json \
    "1b fsdp compile model=$T $ONE --out-dir $W/1b-m" "1b fsdp compile blocks=$T $ONE --compile-scope blocks --out-dir $W/1b-b" \
@@ -23,7 +52,7 @@ T="python train_fsdp.py"
 export CUDA_VISIBLE_DEVICES=0
 ref=()
 if [ -n "${NANOGPT:-}" ]; then
-  ref=("nanoGPT compile=cd $NANOGPT && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iters=1 --log_interval=10 --out_dir=$W/ng")
+  ref=("nanoGPT compile=cd ${NANOGPT:-.} && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng $NG --out_dir=$W/ng")
 fi
 $SB $R/onegpu_small.json "${ref[@]}" \
   "none model cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-m $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/s1" \
@@ -39,7 +68,6 @@ $SB $R/onegpu_small.json "${ref[@]}" \
 wait
 # Both GPUs: the small model over 2 processes.
 unset CUDA_VISIBLE_DEVICES
-TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
 $SB $R/twogpu_small.json \
   "2gpu ddp model=$TR $SMALL --strategy ddp --cache-dir $W/dc1 --out-dir $W/t" \
   "2gpu fsdp units model=$TR $SMALL --cache-dir $W/dc1 --out-dir $W/t" \

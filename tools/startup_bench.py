@@ -3,8 +3,9 @@
     python tools/startup_bench.py [--skip N] OUT.json NAME=COMMAND [NAME=COMMAND ...]
 
 Each COMMAND (a shell line) runs to its end, one after another, with its output read line by
-line. Start-up is the wall time from the launch to the first line that reports a finished
-training step: `step      1 |` (train_fsdp.py with --log-every 1) or `iter 0:` (nanoGPT).
+line. Start-up is the wall time from the launch to the end of the first training step: to the
+first line that reports steps (train_fsdp.py's `step N |`, nanoGPT's `iter N:`), less the median
+step time for each step of that line's log window after the first.
 The step time is the median of the per-step times the command logs after its first N steps (20):
 train_fsdp.py's `N ms/step` (the mean over its log window) or nanoGPT's `time N ms`. Prints a
 table and writes OUT.json.
@@ -16,25 +17,27 @@ import subprocess
 import sys
 import time
 
-FIRST = re.compile(r"^step\s+1 \||^iter 0:")
 STEP = re.compile(r"^step\s+(\d+) \|.*\| ([\d.]+) ms/step|^iter (\d+): .*time ([\d.]+)ms")
 
 
 def measure(command, skip):
-    t0, first, times = time.perf_counter(), None, []
+    t0, first, first_step, times = time.perf_counter(), None, 0, []
     proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = []
     for line in proc.stdout:
         tail = (tail + [line])[-20:]
-        if first is None and FIRST.search(line):
-            first = time.perf_counter() - t0
         m = STEP.search(line)
         if m:
-            step, ms = (int(m[1]), float(m[2])) if m[1] else (int(m[3]), float(m[4]))
+            step, ms = (int(m[1]) - 1, float(m[2])) if m[1] else (int(m[3]), float(m[4]))
+            if first is None:
+                first, first_step = time.perf_counter() - t0, step
             if step > skip:
                 times.append(ms)
     code = proc.wait()
-    return {"rc": code, "startup_s": first, "step_ms": statistics.median(times) if times else None,
+    median = statistics.median(times) if times else None
+    if first is not None and median:
+        first -= first_step * median / 1000  # the steps logged with the first (a log window) are not start-up
+    return {"rc": code, "startup_s": first, "step_ms": median,
             "steps_timed": len(times), "wall_s": time.perf_counter() - t0, "tail": "".join(tail[-5:]) if code else ""}
 
 
