@@ -13,7 +13,7 @@ and saved as demo.json and demo_samples.txt in the run directory.
 
 import argparse
 import collections
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -223,6 +223,15 @@ def summarize(run_dirs):
     return "\n".join(rows)
 
 
+def installed(package):
+    """Whether an optional package imports (it is imported only when a flag asks for it)."""
+    try:
+        importlib.import_module(package)
+        return True
+    except ImportError:
+        return False
+
+
 def fail(message):
     """Bad input, as the trainer reports it: one `error:` line naming it, exit code 2, nothing written."""
     print(f"error: {message}", file=sys.stderr)
@@ -280,7 +289,7 @@ def main(argv=None):
         fail("--ckpt is required: a run directory, a checkpoint directory or a model.pt")
     if args.figure and not args.demo:
         fail("--figure draws the demonstration: give it with --demo")
-    if args.figure and not importlib.util.find_spec("matplotlib"):
+    if args.figure and not installed("matplotlib"):
         fail("--figure needs the matplotlib package, which is not installed: pip install matplotlib")
     device = torch.device(args.device)
     try:
@@ -308,10 +317,10 @@ def main(argv=None):
             with open(os.path.join(run_dir, "config.json")) as fh:
                 train = json.load(fh)["train"]
         for package in [p for p, used in (("tensorboard", train.get("tensorboard")), ("wandb", train.get("wandb")))
-                        if used and not importlib.util.find_spec(p)]:
+                        if used and not installed(p)]:
             fail(f"the run logged to {package}, which is not installed here: pip install {package}")
         draw = args.figure or (train.get("tensorboard") or train.get("wandb"))
-        if draw and not importlib.util.find_spec("matplotlib"):
+        if draw and not installed("matplotlib"):
             print("the run's trackers get the demonstration's numbers, not its figure: pip install matplotlib")
             draw = False
         summary, samples = synthetic_demo(model, device, args.seed)

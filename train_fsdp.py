@@ -1738,7 +1738,7 @@ class RunLog:
     trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl."""
 
     def __init__(self, run_dir, rank):
-        self.rank, self.trackers = rank, []
+        self.rank, self.trackers, self.sent_step, self.sent_keys = rank, [], None, set()
         if rank == 0:
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
             self.text = open(os.path.join(run_dir, "training_log.txt"), "a")
@@ -1763,10 +1763,16 @@ class RunLog:
         if self.rank == 0:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-            # The tracker gets the floats this record already holds: no extra synchronisation.
-            scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            # The trackers get the floats the record already holds (no extra synchronisation), each
+            # key once a step: a validation at a log step repeats its tokens_seen.
+            step = record["step"]
+            if step != self.sent_step:
+                self.sent_step, self.sent_keys = step, set()
+            scalars = {k: v for k, v in record.items()
+                       if k != "step" and k not in self.sent_keys and isinstance(v, (int, float))}
+            self.sent_keys |= set(scalars)
             for tracker in list(self.trackers):
-                self.tracker_call(tracker, f"failed at step {record['step']}", tracker.log, record["step"], scalars)
+                self.tracker_call(tracker, f"failed at step {step}", tracker.log, step, scalars)
 
     def tracker_call(self, tracker, what, fn, *args):
         """A tracker that fails (network, disk) is said once and dropped; the run goes on."""
