@@ -1807,8 +1807,9 @@ class RunLog:
 
 
 # Trackers: rank 0 only, opened once the step to continue from is known. Each has a name, log(step,
-# scalars) and close(). A resume continues the same tracker run without a step twice: the steps
-# after the checkpoint that a stopped attempt had logged are dropped (TensorBoard) or kept (W&B).
+# scalars) and close(). A resume continues the same tracker run with no step twice: of the steps a
+# stopped attempt logged after its checkpoint, TensorBoard shows the resumed values, W&B keeps the
+# first ones (it takes no step twice).
 
 
 class TensorBoardRun:
