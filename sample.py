@@ -316,10 +316,10 @@ def main(argv=None):
         if in_run and os.path.isfile(os.path.join(run_dir, "config.json")):
             with open(os.path.join(run_dir, "config.json")) as fh:
                 train = json.load(fh)["train"]
-        for package in [p for p, used in (("tensorboard", train.get("tensorboard")), ("wandb", train.get("wandb")))
-                        if used and not installed(p)]:
-            fail(f"the run logged to {package}, which is not installed here: pip install {package}")
-        draw = args.figure or (train.get("tensorboard") or train.get("wandb"))
+        for package in ("tensorboard", "wandb"):  # the config's fields are named as the packages
+            if train.get(package) and not installed(package):
+                fail(f"the run logged to {package}, which is not installed here: pip install {package}")
+        draw = bool(args.figure or train.get("tensorboard") or train.get("wandb"))
         if draw and not installed("matplotlib"):
             print("the run's trackers get the demonstration's numbers, not its figure: pip install matplotlib")
             draw = False
