@@ -73,13 +73,14 @@ def plot(runs, out):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("tokens seen" if x == "tokens_seen" else "step", fontsize=9)
         ax.grid(alpha=0.3)
-        if key == "grad_norm":
+        if key in ("loss", "ce", "grad_norm"):  # the tail of a loss curve is what differs between runs
             ax.set_yscale("log")
         if not drawn:
             ax.text(0.5, 0.5, f"no {key} in these runs", ha="center", va="center", transform=ax.transAxes)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)  # no bbox_inches="tight": the PNG is always WIDTH x HEIGHT x DPI
+    # no bbox_inches="tight": the PNG is always WIDTH x HEIGHT x DPI
+    fig.savefig(out, pil_kwargs={"optimize": True})
     plt.close(fig)
 
 
