@@ -8,7 +8,7 @@ TASK := --config configs/synthetic.toml
 STAMP := $(shell date +%Y%m%d-%H%M%S)
 TORCHRUN := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
-.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep export sample bench test lint clean
+.PHONY: train-free-fsdp train-baseline-fsdp train-free train-baseline kappa-sweep plot export sample bench test lint clean
 
 # Each training target ends with the synthetic-task demonstration (sample.py --demo), which
 # reads the same run directory: RUN given on the command line (not --out-dir in ARGS), else a
@@ -31,15 +31,23 @@ train-baseline:
 	$(PYTHON) train_fsdp.py $(TASK) --strategy none --arch baseline --out-dir $(call run_dir,baseline) $(ARGS)
 	$(PYTHON) sample.py --ckpt $(call run_dir,baseline) --demo
 
-# Free-bits sweep on the synthetic task: kappa in bits per token (converted to nats).
+# Free-bits sweep on the synthetic task: kappa in bits per token (converted to nats). Ends with
+# the table (runs/kappa-sweep-STAMP.md) and the plot beside it (.png; needs matplotlib).
 KAPPA_BITS ?= 0.015625 0.125 0.5 2 4
 kappa-sweep:
+	@$(PYTHON) -c "import matplotlib" 2>/dev/null || { echo "error: make kappa-sweep ends with a plot: pip install matplotlib" >&2; exit 2; }
 	@for k in $(KAPPA_BITS); do \
 	  nats=$$($(PYTHON) -c "import math; print($$k * math.log(2))"); \
 	  $(TORCHRUN) train_fsdp.py $(TASK) --arch free --kappa $$nats --out-dir runs/kappa-$$k-$(STAMP) $(ARGS) || exit 1; \
 	  $(PYTHON) sample.py --ckpt runs/kappa-$$k-$(STAMP) --demo || exit 1; \
 	done; \
 	$(PYTHON) sample.py --summarize $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) | tee runs/kappa-sweep-$(STAMP).md
+	$(PYTHON) plot_runs.py $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) -o runs/kappa-sweep-$(STAMP).png
+
+# One PNG of runs' metrics.jsonl, overlaid (needs matplotlib): make plot RUNS="runs/a runs/b" [OUT=cmp.png]
+OUT ?= runs/plot.png
+plot:
+	$(PYTHON) plot_runs.py $(RUNS) -o $(OUT)
 
 # Consolidate a sharded checkpoint into one file: make export CKPT=runs/RUN/checkpoints/step_N
 export:

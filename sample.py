@@ -13,6 +13,7 @@ and saved as demo.json and demo_samples.txt in the run directory.
 
 import argparse
 import collections
+import importlib
 import json
 import math
 import os
@@ -134,8 +135,69 @@ def synthetic_demo(model, device, seed, n_batches=8, batch=32):
                       "same_noise_share": sum(noise[name]) / len(noise[name]) if noise[name] else 0.0}
                for name, v in result.items()}
     summary.update(arch=model.cfg.arch, batches=n_batches, batch_size=batch, seed=seed,
-                   uniform_start_entropy=math.log(data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1))
+                   uniform_start_entropy=math.log(data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1),
+                   block_starts={name: [starts for _, _, starts in v] for name, v in result.items()})
     return summary, samples
+
+
+def block_start_figure(summary):
+    """The demonstration's block starts under fixed Z and fresh Z, as two heat maps: a row per
+    batch, a column per start position, the share of the batch starting there. A model that puts
+    the position in Z shows one bright cell per row under fixed Z and spread rows under fresh Z."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), dpi=100, sharey=True, layout="constrained")
+    for ax, name in zip(axes, ("fixed_z", "fresh_z")):
+        grid = torch.zeros(summary["batches"], data_lib.SYNTH_BODY)
+        for b, starts in enumerate(summary["block_starts"][name]):
+            for start in starts:
+                grid[b, start] += 1 / summary["batch_size"]
+        image = ax.imshow(grid.numpy(), aspect="auto", vmin=0, vmax=1, interpolation="nearest", cmap="viridis")
+        ax.set_title(f"{name.replace('_z', ' Z')}: {100 * summary[name]['same_start_share']:.0f}% of a batch at "
+                     "its most common start", fontsize=10)
+        ax.set_xlabel("position of the block's first letter")
+    axes[0].set_ylabel("batch")
+    fig.colorbar(image, ax=axes, label="share of the batch")
+    fig.suptitle(f"{summary['arch']}: where the letter block starts, {summary['batch_size']} samples a batch",
+                 fontsize=11)
+    return fig
+
+
+def demo_to_trackers(run_dir, train, step, summary, figure):
+    """The demonstration into the TensorBoard / W&B run of a run that used them (its config's
+    `train` section): the shares as scalars and, with matplotlib, the figure. A tracker that fails
+    is said on one line; demo.json is written already."""
+    scalars = {f"demo/{name}/{k}": v for name in ("fixed_z", "fresh_z") for k, v in summary[name].items()}
+    if train.get("tensorboard"):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            with SummaryWriter(os.path.join(run_dir, "tensorboard")) as writer:
+                for key, value in scalars.items():
+                    writer.add_scalar(key, value, step)
+                if figure:
+                    writer.add_figure("demo/block_starts", figure, step, close=False)
+            print(f"logged the demonstration to TensorBoard ({run_dir}/tensorboard, step {step})")
+        except Exception as e:
+            print(f"TensorBoard failed ({type(e).__name__}: {e}); the demonstration is in demo.json")
+    if train.get("wandb"):
+        try:
+            import wandb
+            state_path = os.path.join(run_dir, "wandb_run.json")  # the trainer's: the run's id, its last step
+            with open(state_path) as fh:
+                state = json.load(fh)
+            run = wandb.init(project=train["wandb"], id=state["id"], resume="allow", dir=run_dir,
+                             settings=wandb.Settings(console="off"))
+            # W&B takes no step below its last one: the step after the training's last.
+            run.log({**scalars, **({"demo/block_starts": wandb.Image(figure)} if figure else {})},
+                    step=state["step"] + 1)
+            run.finish()
+            with open(state_path, "w") as fh:
+                json.dump({"id": state["id"], "step": state["step"] + 1}, fh)
+            print(f"logged the demonstration to W&B run {state['id']} (step {state['step'] + 1})")
+        except Exception as e:
+            print(f"W&B failed ({type(e).__name__}: {e}); the demonstration is in demo.json")
 
 
 def noise_cell(stats):
@@ -159,6 +221,15 @@ def summarize(run_dirs):
                     f"{100 * demo['fresh_z']['same_start_share']:.1f} % | {noise_cell(demo['fixed_z'])} | "
                     f"{noise_cell(demo['fresh_z'])} |")
     return "\n".join(rows)
+
+
+def installed(package):
+    """Whether an optional package imports (it is imported only when a flag asks for it)."""
+    try:
+        importlib.import_module(package)
+        return True
+    except ImportError:
+        return False
 
 
 def fail(message):
@@ -206,6 +277,8 @@ def main(argv=None):
                    "encoder run on the prompt alone (it was trained on whole rows)")
     p.add_argument("--fixed-z", action="store_true", help="Free Transformer: one Z draw shared by all samples")
     p.add_argument("--demo", action="store_true", help="synthetic task: fixed-Z vs fresh-Z block statistics")
+    p.add_argument("--figure", action="store_true", help="with --demo: also save demo_block_starts.png, the "
+                   "block starts under fixed vs fresh Z (needs matplotlib)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     check_args(args)
@@ -214,6 +287,10 @@ def main(argv=None):
         return None
     if not args.ckpt:
         fail("--ckpt is required: a run directory, a checkpoint directory or a model.pt")
+    if args.figure and not args.demo:
+        fail("--figure draws the demonstration: give it with --demo")
+    if args.figure and not installed("matplotlib"):
+        fail("--figure needs the matplotlib package, which is not installed: pip install matplotlib")
     device = torch.device(args.device)
     try:
         model, ckpt = load_model(args.ckpt, device)
@@ -234,9 +311,26 @@ def main(argv=None):
         if ckpt["config"]["data"]["dataset"] != "synthetic":
             print("no demo: the run is not on the built-in synthetic task")
             return None
+        # The run's trackers (config.json: --tensorboard, --wandb) get the demonstration too.
+        train = {}
+        if in_run and os.path.isfile(os.path.join(run_dir, "config.json")):
+            with open(os.path.join(run_dir, "config.json")) as fh:
+                train = json.load(fh)["train"]
+        for package in ("tensorboard", "wandb"):  # the config's fields are named as the packages
+            if train.get(package) and not installed(package):
+                fail(f"the run logged to {package}, which is not installed here: pip install {package}")
+        draw = bool(args.figure or train.get("tensorboard") or train.get("wandb"))
+        if draw and not installed("matplotlib"):
+            print("the run's trackers get the demonstration's numbers, not its figure: pip install matplotlib")
+            draw = False
         summary, samples = synthetic_demo(model, device, args.seed)
         with open(os.path.join(run_dir, "demo.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
+        figure = block_start_figure(summary) if draw else None
+        if args.figure:
+            figure.savefig(os.path.join(run_dir, "demo_block_starts.png"))
+            print(f"saved {os.path.join(run_dir, 'demo_block_starts.png')}")
+        demo_to_trackers(run_dir, train, ckpt["step"], summary, figure)
         with open(os.path.join(run_dir, "demo_samples.txt"), "w") as fh:
             fh.write("\n".join(s.replace("\n", "|") for s in samples) + "\n")
         print("\n".join(s.replace("\n", "|") for s in samples[:4] + samples[8:12]))

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -154,6 +155,10 @@ class TrainConfig:
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
                       "(dumps into RUN_DIR/flight_recorder when a collective times out)")
+    tensorboard: bool = opt(False, "also write every metric and the config to TensorBoard event files in "
+                            "RUN_DIR/tensorboard (pip install tensorboard)")
+    wandb: str = opt("", "also log every metric and the config to this W&B project (pip install wandb; "
+                     "WANDB_MODE=offline logs without internet, `wandb sync` later); a resume continues the run")
 
 
 @dataclass
@@ -1741,10 +1746,11 @@ def keep_metric_lines(path, last_step):
 
 
 class RunLog:
-    """metrics.jsonl (one JSON object per event) and training_log.txt (the same, readable)."""
+    """metrics.jsonl (one JSON object per event), training_log.txt (the same, readable) and the
+    trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl."""
 
     def __init__(self, run_dir, rank):
-        self.rank = rank
+        self.rank, self.trackers, self.sent_step, self.sent_keys = rank, [], None, set()
         if rank == 0:
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
             self.text = open(os.path.join(run_dir, "training_log.txt"), "a")
@@ -1761,10 +1767,32 @@ class RunLog:
             keep_metric_lines(self.jsonl.name, step)
             self.jsonl = open(self.jsonl.name, "a")
 
+    def start_trackers(self, cfg, start_step):
+        if self.rank == 0:
+            self.trackers = open_trackers(cfg, start_step, self.line)
+
     def metrics(self, record):
         if self.rank == 0:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+            # The trackers get the floats the record already holds (no extra synchronisation), each
+            # key once a step: a validation at a log step repeats its tokens_seen.
+            step = record["step"]
+            if step != self.sent_step:
+                self.sent_step, self.sent_keys = step, set()
+            scalars = {k: v for k, v in record.items()
+                       if k != "step" and k not in self.sent_keys and isinstance(v, (int, float))}
+            self.sent_keys |= set(scalars)
+            for tracker in list(self.trackers):
+                self.tracker_call(tracker, f"failed at step {step}", tracker.log, step, scalars)
+
+    def tracker_call(self, tracker, what, fn, *args):
+        """A tracker that fails (network, disk) is said once and dropped; the run goes on."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self.trackers.remove(tracker)
+            self.line(f"{tracker.name} {what} ({type(e).__name__}: {e}); training goes on without it")
 
     def step(self, rec, keys):
         """A training record (Meter.record) and its line; `keys`: the losses, in the order shown."""
@@ -1775,14 +1803,94 @@ class RunLog:
                   (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
                   f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
 
-    def validation(self, step, val):
-        self.metrics({"step": step, **{f"val_{k}": v for k, v in val.items()}})
+    def validation(self, step, val, tokens_seen):
+        self.metrics({"step": step, "tokens_seen": tokens_seen, **{f"val_{k}": v for k, v in val.items()}})
         self.line(f"step {step:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+
+    def close_trackers(self):
+        for tracker in list(self.trackers):
+            self.tracker_call(tracker, "failed to close", tracker.close)
+        self.trackers = []
 
     def close(self):
         if self.rank == 0:
             self.jsonl.close()
             self.text.close()
+
+
+# Trackers: rank 0 only, opened once the step to continue from is known. Each has a name, log(step,
+# scalars) and close(). A resume continues the same tracker run with no step twice: of the steps a
+# stopped attempt logged after its checkpoint, TensorBoard shows the resumed values, W&B keeps the
+# first ones (it takes no step twice).
+
+
+class TensorBoardRun:
+    """Event files in RUN_DIR/tensorboard; tags are the keys of metrics.jsonl."""
+    name = "TensorBoard"
+
+    def __init__(self, cfg, start_step):
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step: TensorBoard hides what earlier event files hold from this step on, as
+        # keep_metric_lines drops it from metrics.jsonl (and the old run of an --overwrite).
+        self.writer = SummaryWriter(os.path.join(cfg.train.out_dir, "tensorboard"), purge_step=start_step + 1)
+        config = json.dumps(dataclasses.asdict(cfg), indent=1)
+        self.writer.add_text("config", "    " + config.replace("\n", "\n    "), start_step)  # Markdown code
+
+    def log(self, step, scalars):
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self):
+        self.writer.close()
+
+
+WANDB_STATE = "wandb_run.json"  # in the run directory: the W&B run's id and the last step it was sent
+
+
+class WandbRun:
+    """A W&B run in RUN_DIR/wandb (with WANDB_MODE=offline, `wandb sync RUN_DIR/wandb/offline-run-*`
+    uploads it later). W&B takes no step twice, so a resume skips the steps the run already holds."""
+    name = "W&B"
+
+    def __init__(self, cfg, start_step):
+        import wandb
+        run_dir = cfg.train.out_dir
+        self.state, saved = os.path.join(run_dir, WANDB_STATE), {}
+        if start_step and os.path.exists(self.state):
+            with open(self.state) as fh:
+                saved = json.load(fh)
+        self.last = self.skip_to = saved.get("step", 0)
+        # console off: the trainer's own output stays as it is (training_log.txt has it all).
+        self.run = wandb.init(project=cfg.train.wandb, id=saved.get("id"), resume="allow", dir=run_dir,
+                              name=os.path.basename(os.path.abspath(run_dir)), config=dataclasses.asdict(cfg),
+                              allow_val_change=True, settings=wandb.Settings(console="off"))
+        self.save()
+
+    def log(self, step, scalars):
+        if step > self.skip_to:
+            self.run.log(scalars, step=step)
+            if step != self.last:
+                self.last = step
+                self.save()
+
+    def save(self):  # replaced whole, not fsynced: it is small and rewritten every log step
+        with open(self.state + ".tmp", "w") as fh:
+            json.dump({"id": self.run.id, "step": self.last}, fh)
+        os.replace(self.state + ".tmp", self.state)
+
+    def close(self):
+        self.run.finish()
+
+
+def open_trackers(cfg, start_step, say):
+    trackers = []
+    for wanted, kind in ((cfg.train.tensorboard, TensorBoardRun), (cfg.train.wandb, WandbRun)):
+        try:
+            if wanted:
+                trackers.append(kind(cfg, start_step))
+        except Exception as e:
+            say(f"{kind.name} could not start ({type(e).__name__}: {e}); training goes on without it")
+    return trackers
 
 
 def memory_stats(device):
@@ -2099,6 +2207,13 @@ def check_config(cfg):
     except ValueError as e:
         raise BadInput(str(e))
     check_strategy(cfg)
+    for flag, wanted, module, package in (("--tensorboard", cfg.train.tensorboard, "torch.utils.tensorboard",
+                                           "tensorboard"), ("--wandb", cfg.train.wandb, "wandb", "wandb")):
+        try:  # optional packages, imported only when asked for (rank 0 uses them; every rank checks)
+            if wanted:
+                importlib.import_module(module)
+        except ImportError:
+            raise BadInput(f"{flag} needs the {package} package, which is not installed: pip install {package}")
 
 
 def check_world(cfg, topo):
@@ -2201,6 +2316,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     log_summary(log, cfg, topo, plan, params, data.n_val)
     if eval_note:
         log.line(eval_note)
+    log.start_trackers(cfg, start_step)
 
     profiler = start_profiler(cfg, rank)
     stop_flag, previous_handlers = install_stop_handlers()
@@ -2255,7 +2371,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
                                                                              not stop.item()):
                 t0 = time.perf_counter()
                 val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
-                log.validation(step + 1, val)
+                log.validation(step + 1, val, tokens_seen)
                 evaluated = step + 1
                 meter.exclude(t0)  # keep evaluation out of the throughput
             if save_due or stop.item():
@@ -2282,6 +2398,7 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
         if pending:  # stopped by an error: let the write end before the process groups are destroyed
             pending.future.exception()
         bar.close()
+        log.close_trackers()
         if profiler:
             profiler.stop()
         for sig, handler in previous_handlers.items():

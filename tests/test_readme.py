@@ -1,6 +1,6 @@
 """Keep README.md and docs/ true: docs/configuration.md lists every flag of `train_fsdp.py
 --help` with its real default; every --flag the README and docs/ mention exists in
-train_fsdp.py, bench.py, sample.py, torchrun, sbatch or lm_eval; every `make` target they name
+train_fsdp.py, bench.py, sample.py, torchrun, sbatch, lm_eval or tensorboard; every `make` target they name
 exists; every link of README.md, BENCHMARKS.md and docs/ reaches a file and a heading, and every
 tests/ or tools/ script they name is there."""
 import dataclasses
@@ -32,7 +32,8 @@ TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endp
 PIP_FLAGS = {"--index-url"}
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
-                "--prompt-z", "--fixed-z", "--demo", "--device"}
+                "--prompt-z", "--fixed-z", "--demo", "--figure", "--device"}
+TENSORBOARD_FLAGS = {"--logdir", "--port"}
 
 
 def test_settings_table_lists_every_field_with_its_default():
@@ -61,7 +62,8 @@ def test_every_flag_in_the_readme_and_docs_exists():
     import bench
     parser_flags = {a for p in (train_fsdp.build_arg_parser(), bench.build_arg_parser())
                     for action in p._actions for a in action.option_strings}
-    known = parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS | LM_EVAL_FLAGS
+    known = (parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS | LM_EVAL_FLAGS |
+             TENSORBOARD_FLAGS)
     for path, text in DOCS.items():
         assert set(re.findall(FLAG, text)) - known == set(), path
 

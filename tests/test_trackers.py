@@ -1,0 +1,273 @@
+"""--tensorboard and --wandb (the real packages, W&B offline), plot_runs.py and the demonstration's
+figure: what the trackers hold is what metrics.jsonl holds, also across a resume that replays
+steps a stopped attempt had logged; a tracker that fails mid-run costs one line, not the run; a
+missing optional package is one error line and nothing written."""
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plot_runs  # noqa: E402
+import train_fsdp  # noqa: E402
+from test_distributed import TINY, clean_env  # noqa: E402
+
+pytest.importorskip("tensorboard", reason="pip install tensorboard (.ci/run does)")
+pytest.importorskip("wandb", reason="pip install wandb (.ci/run does)")
+pytest.importorskip("matplotlib", reason="pip install matplotlib (.ci/run does)")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+# 6 steps, all logged, validation every 2; the checkpoint of step 4 is the latest: a second
+# attempt resumes there and logs steps 5 and 6 again, as after a stop between two saves.
+TRACKED = TINY + ["--max-steps", "6", "--eval-every", "2", "--save-every", "4", "--no-save-final", "--tensorboard",
+                  "--wandb", "tests"]
+
+
+def wandb_env(tmp):
+    env = clean_env()
+    env.update(WANDB_MODE="offline", WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp / "wandb-cache"), WANDB_DATA_DIR=str(tmp / "wandb-data"))
+    return env
+
+
+def drive(tmp, name, argv, nproc):
+    """Run train_fsdp.main(argv) through tests/dist_driver.py on nproc processes."""
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps({name: argv}))
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "dist_driver.py"), str(spec)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"] + cmd[1:]
+    res = subprocess.run(cmd, cwd=ROOT, env=wandb_env(tmp), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))  # the synthetic data, made once
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, cache):
+    """A run on 2 processes (rank 0 alone writes to the trackers), resumed on one."""
+    tmp = tmp_path_factory.mktemp("trackers")
+    run = tmp / "run"
+    argv = TRACKED + ["--out-dir", str(run), "--cache-dir", cache]
+    drive(tmp, "first", argv, nproc=2)
+    drive(tmp, "resumed", argv, nproc=1)
+    assert "resumed from" in (run / "training_log.txt").read_text()
+    return run
+
+
+def metric_records(run):
+    with open(run / "metrics.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def scalars_by_key(records):
+    """{key: {step: value}} of every scalar of metrics.jsonl; a step twice fails (but tokens_seen,
+    which a validation at a log step repeats)."""
+    out = {}
+    for r in records:
+        for key, value in r.items():
+            if key != "step":
+                assert out.setdefault(key, {}).get(r["step"], value) == value and (
+                    r["step"] not in out[key] or key == "tokens_seen"), (key, r["step"])
+                out[key][r["step"]] = value
+    return out
+
+
+def tensorboard_scalars(log_dir):
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)  # no step twice
+        out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+    return out, acc
+
+
+def wandb_records(path):
+    """The records of a .wandb file, decoded with W&B's own protobuf. The file is a LevelDB-style
+    log (W&B ships no Python reader for it): a 7-byte header, then blocks of 32 KiB of chunks,
+    each with a 7-byte header (crc, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    raw, pos, chunks = open(path, "rb").read(), 7, b""
+    while pos + 7 <= len(raw):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # the padding at the end of a block
+            pos += left
+            continue
+        chunks += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            yield record
+            chunks = b""
+
+
+def wandb_history(run):
+    """{step: {key: value}} over every W&B file of the run (one per attempt), the run ids, the
+    config each attempt sent."""
+    history, ids, configs = {}, set(), []
+    for path in sorted(glob.glob(str(run / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+                configs.append({i.key: json.loads(i.value_json) for i in record.run.config.update})
+            elif kind == "history":
+                row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                step = record.history.step.num
+                assert step not in history, f"W&B step {step} twice"
+                history[step] = {k: v for k, v in row.items() if not k.startswith("_")}
+    return history, ids, configs
+
+
+def test_tensorboard_holds_what_metrics_jsonl_holds_across_a_resume(tracked):
+    """Every scalar of metrics.jsonl, at its step, once: the resumed attempt's steps 5 and 6
+    replace the first attempt's (purge_step), as in metrics.jsonl; the config is there too."""
+    expected = scalars_by_key(metric_records(tracked))
+    assert sorted(expected["loss"]) == [1, 2, 3, 4, 5, 6] and sorted(expected["val_loss"]) == [2, 4, 6]
+    assert sorted(expected["tokens_seen"]) == [1, 2, 3, 4, 5, 6]  # validation records carry it too
+    got, acc = tensorboard_scalars(tracked / "tensorboard")
+    assert set(got) == set(expected)
+    for key, by_step in expected.items():
+        assert got[key] == pytest.approx(by_step, rel=1e-6), key  # TensorBoard stores float32
+    assert len(glob.glob(str(tracked / "tensorboard" / "events.out.tfevents.*"))) == 2  # rank 0, two attempts
+    config = {e.step: json.loads(e.tensor_proto.string_val[0]) for e in acc.Tensors("config/text_summary")}
+    assert config == {0: json.loads((tracked / "config.json").read_text()), 4: config[0]}  # each attempt's
+
+
+def test_wandb_offline_run_holds_the_history(tracked):
+    """The same W&B run (its id kept in wandb_run.json) in two offline files; every step once,
+    with the values of metrics.jsonl. W&B takes no step twice: steps 5 and 6 stay the first
+    attempt's, equal to the resumed ones but for timing (losses: one process vs two, 1e-5)."""
+    expected = scalars_by_key(metric_records(tracked))
+    history, ids, configs = wandb_history(tracked)
+    state = json.loads((tracked / "wandb_run.json").read_text())
+    assert ids == {state["id"]} and state["step"] == 6
+    assert len(configs) == 2 and configs[0]["train"]["wandb"] == "tests" and configs[0]["model"]["n_layer"] == 2
+    assert sorted(history) == [1, 2, 3, 4, 5, 6]
+    for key, by_step in expected.items():
+        for step, value in by_step.items():
+            if step <= 4:
+                assert history[step][key] == value, (key, step)
+            elif key in ("loss", "val_loss", "lr", "tokens_seen"):
+                assert history[step][key] == pytest.approx(value, rel=1e-5), (key, step)
+    assert set(history[6]) == {k for k, v in expected.items() if 6 in v}
+
+
+def test_the_demonstration_reaches_both_trackers(tracked, tmp_path):
+    """sample.py's demo logs its shares and its figure to the run's TensorBoard (at the
+    checkpoint's step) and W&B run (after its last step); the figure is a real image."""
+    run = tmp_path / "run"
+    shutil.copytree(tracked, run)
+    summary = {"arch": "baseline", "batches": 2, "batch_size": 4,
+               "block_starts": {"fixed_z": [[3, 3, 3, 9], [0, 0, 0, 0]], "fresh_z": [[1, 2, 3, 4], [5, 6, 7, 56]]}}
+    for name, share in (("fixed_z", 0.875), ("fresh_z", 0.25)):
+        summary[name] = {"same_start_share": share, "well_formed_share": 1.0, "start_entropy": 1.0,
+                         "same_noise_share": 0.1}
+    code = (f"import json, sample; s = json.loads({json.dumps(json.dumps(summary))}); "
+            f"sample.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
+            "sample.block_start_figure(s))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=wandb_env(tmp_path), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "failed" not in res.stdout, res.stdout + res.stderr
+    got, acc = tensorboard_scalars(run / "tensorboard")
+    assert got["demo/fixed_z/same_start_share"] == {6: 0.875}
+    assert [(e.step, e.width, e.height) for e in acc.Images("demo/block_starts")] == [(6, 1000, 320)]
+    assert got["loss"] == pytest.approx(tensorboard_scalars(tracked / "tensorboard")[0]["loss"])  # not purged
+    history, ids, _ = wandb_history(run)
+    assert len(ids) == 1 and sorted(history) == [1, 2, 3, 4, 5, 6, 7]
+    assert history[7]["demo/fresh_z/same_start_share"] == 0.25
+    assert history[7]["demo/block_starts/_type"] == "image-file"
+    image = glob.glob(str(run / "wandb" / "offline-run-*" / "files" / history[7]["demo/block_starts/path"]))
+    assert len(image) == 1 and png_size(image[0]) == (1000, 320)
+    assert json.loads((run / "wandb_run.json").read_text())["step"] == 7
+
+
+def png_size(path):
+    with open(path, "rb") as fh:
+        head = fh.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_runs_draws_two_runs_into_one_png(tracked, tmp_path):
+    """A baseline run and a Free Transformer run (KL, r_rms_ratio; validation without
+    tokens_seen, as written before it existed) overlaid in one PNG of the fixed size."""
+    free = tmp_path / "free"
+    free.mkdir()
+    rows = [{"step": s, "loss": 3 - s / 10, "ce": 3 - s / 10, "kl": 0.1 * s, "r_rms_ratio": 1.0, "lr": 1e-3,
+             "grad_norm": 1.0, "tokens_per_s": 1e4, "tokens_seen": 528 * s} for s in (1, 2, 3)]
+    rows.append({"step": 3, "val_loss": 2.8, "val_ce": 2.7, "val_kl": 0.3, "val_r_rms_ratio": 1.0})
+    (free / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "plot.png"
+    plot_runs.main([str(tracked), str(free), "-o", str(out)])
+    assert png_size(out) == (plot_runs.WIDTH * plot_runs.DPI, plot_runs.HEIGHT * plot_runs.DPI)
+    assert out.stat().st_size > 20_000  # eight panels of lines, not an empty canvas
+
+
+def test_a_tracker_that_fails_mid_run_costs_one_line(tmp_path, monkeypatch, cache):
+    """A full disk under TensorBoard from step 3 on: one line in the log, every step still in
+    metrics.jsonl, the run finishes."""
+    from torch.utils.tensorboard import SummaryWriter
+    original = SummaryWriter.add_scalar
+
+    def add_scalar(self, tag, value, step=None, *args, **kwargs):
+        if step >= 3:
+            raise OSError(28, "No space left on device")
+        return original(self, tag, value, step, *args, **kwargs)
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    run = tmp_path / "run"
+    val = train_fsdp.main(TINY + ["--strategy", "none", "--tensorboard", "--out-dir", str(run), "--cache-dir", cache])
+    assert val["loss"] > 0
+    log = (run / "training_log.txt").read_text()
+    failed = [line for line in log.splitlines() if "TensorBoard" in line]
+    assert failed == ["TensorBoard failed at step 3 (OSError: [Errno 28] No space left on device); "
+                      "training goes on without it"], failed
+    assert [r["step"] for r in metric_records(run) if "loss" in r] == [1, 2, 3, 4, 5]
+    assert sorted(tensorboard_scalars(run / "tensorboard")[0]["loss"]) == [1, 2]
+
+
+@pytest.mark.parametrize("flag, module, package", [(["--tensorboard"], "torch.utils.tensorboard", "tensorboard"),
+                                                   (["--wandb", "p"], "wandb", "wandb")])
+def test_a_missing_tracker_package_is_bad_input(tmp_path, monkeypatch, flag, module, package):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    with pytest.raises(train_fsdp.BadInput) as e:
+        train_fsdp.main(TINY + flag + ["--out-dir", str(tmp_path / "run")])
+    assert str(e.value) == f"{flag[0]} needs the {package} package, which is not installed: pip install {package}"
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_optional_packages_on_the_command_line(tmp_path):
+    """Each command that takes an optional package, with the package shadowed by one that fails
+    to import: one `error:` line naming what to install, exit code 2, nothing written."""
+    shadow = tmp_path / "shadow"
+    for package in ("wandb", "matplotlib"):
+        (shadow / package).mkdir(parents=True)
+        (shadow / package / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = str(shadow)
+    out = tmp_path / "out"
+    commands = {("train_fsdp.py", "--wandb", "p", "--out-dir", str(out)): "--wandb needs the wandb package",
+                ("plot_runs.py", str(tmp_path), "-o", str(out / "p.png")): "plot_runs.py needs the matplotlib package",
+                ("sample.py", "--ckpt", str(out), "--demo", "--figure"): "--figure needs the matplotlib package"}
+    for argv, message in commands.items():
+        res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stderr.startswith(f"error: {message}"), (argv, res.stderr)
+        assert len(res.stderr.splitlines()) == 1 and res.stderr.rstrip().endswith(f"pip install {message.split()[3]}")
+        assert not out.exists()
