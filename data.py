@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import typing
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
@@ -48,9 +49,13 @@ class DataConfig:
     synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
     synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
 
+    # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may move
+    # the token cache: where it lives does not change the tokens.
+    RESUME_FREE: typing.ClassVar = frozenset({"cache_dir"})
 
-# Fields a resumed run may change: where the token cache lives does not change the tokens.
-RESUME_FREE = {"cache_dir"}
+    def check(self):
+        check_config(self)
+
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
 FORMAT_VERSION = 1  # bump when the cache layout changes so old caches read as stale

@@ -13,19 +13,34 @@ DecoderBlock is the unit that FSDP wraps and activation checkpointing recomputes
 """
 
 import math
+import typing
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Width, depth, heads, kv heads, MLP width. 1b is Llama-3.2-1B's shape; 1.5b and 8b are the
+# paper's sizes in Llama-3 style shapes (8b is Llama-3-8B's); tiny is for tests and CPU runs.
+# Counts with a 32k vocabulary: 134M, 369M, 1.1B, 1.6B, 7.2B (the Free Transformer adds
+# 2^H x D post-sampler weights and one block).
+SIZE_PRESETS = {
+    "tiny": dict(n_layer=4, d_model=128, n_head=4, n_kv_head=0),
+    "small": dict(n_layer=6, d_model=384, n_head=6, n_kv_head=0),
+    "125m": dict(n_layer=12, d_model=768, n_head=12, n_kv_head=0),
+    "350m": dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=0),
+    "1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_hidden=8192),
+    "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
+    "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, rope_theta=500000.0),
+}
+
 
 @dataclass
 class ModelConfig:
     arch: str = field(default="free", metadata={"help": "free (Free Transformer) or baseline (plain decoder)",
                                                 "choices": ["free", "baseline"]})
-    size: str = field(default="", metadata={"help": "named size preset: " + ", ".join(
-        ["tiny", "small", "125m", "350m", "1b", "1.5b", "8b"]) + "; empty = use the fields below"})
+    size: str = field(default="", metadata={"help": "named size preset: " + ", ".join(SIZE_PRESETS) +
+                                               "; empty = use the fields below"})
     n_layer: int = field(default=4, metadata={"help": "decoder blocks (even for the Free Transformer)"})
     d_model: int = field(default=128, metadata={"help": "model width D"})
     n_head: int = field(default=4, metadata={"help": "attention heads"})
@@ -52,20 +67,21 @@ class ModelConfig:
     latent_std: float = field(default=1.0, metadata={"help": "rms of the post-sampler rows (of R) at init; under "
                                                       "post_norm, R's size against the normalised stream"})
 
+    # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may change
+    # the size preset's name (its fields are compared one by one) and the chunking of the Binary
+    # Mapper's backward: neither changes what it computes.
+    RESUME_FREE: typing.ClassVar = frozenset({"size", "mapper_chunk"})
+    PRESETS: typing.ClassVar = {"size": {name: {"model": shape} for name, shape in SIZE_PRESETS.items()}}
 
-# Width, depth, heads, kv heads, MLP width. 1b is Llama-3.2-1B's shape; 1.5b and 8b are the
-# paper's sizes in Llama-3 style shapes (8b is Llama-3-8B's); tiny is for tests and CPU runs.
-# Counts with a 32k vocabulary: 134M, 369M, 1.1B, 1.6B, 7.2B (the Free Transformer adds
-# 2^H x D post-sampler weights and one block).
-SIZE_PRESETS = {
-    "tiny": dict(n_layer=4, d_model=128, n_head=4, n_kv_head=0),
-    "small": dict(n_layer=6, d_model=384, n_head=6, n_kv_head=0),
-    "125m": dict(n_layer=12, d_model=768, n_head=12, n_kv_head=0),
-    "350m": dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=0),
-    "1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_hidden=8192),
-    "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
-    "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, rope_theta=500000.0),
-}
+    def check(self):
+        check_model_config(self)
+
+    def resolve(self, data):
+        resolve_model_config(self, data.vocab_size)
+
+    @staticmethod
+    def saved_fields(table):
+        return saved_fields(table)
 
 
 # The valid values of the numeric fields: (field, test, what is valid), each reported by its flag.
@@ -78,11 +94,6 @@ RANGES = [
     ("rope_theta", lambda v: v > 0, "> 0"), ("norm_eps", lambda v: v > 0, "> 0"),
     ("latent_std", lambda v: v > 0, "> 0"),
 ]
-# Fields a resumed run may change, because they do not change what it computes: the size preset's
-# name (its fields are compared one by one) and the chunking of the Binary Mapper's backward.
-RESUME_FREE = {"size", "mapper_chunk"}
-
-
 def saved_fields(table):
     """A saved run's model table with the fields it predates filled in with the values it was
     trained with: runs saved before the latent settings existed added R before the norm, with
@@ -91,10 +102,9 @@ def saved_fields(table):
     return {**before, **table}
 
 
-def check_model_config(cfg, meta_init=False):
+def check_model_config(cfg):
     """Every rule on the fields, before anything is built; raises ValueError with one line that
-    names the flag. meta_init: the model will be built on the meta device and materialised module
-    by module, which a tied embedding does not survive."""
+    names the flag."""
     valid = {name: text for name, _, text in RANGES}
     for f in fields(cfg):  # inf passes a test like "> 0" and nan none: every float must be finite
         value = getattr(cfg, f.name)
@@ -114,9 +124,6 @@ def check_model_config(cfg, meta_init=False):
         raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of blocks >= 2")
     if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
         raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
-    if meta_init and cfg.tie_embeddings:
-        raise ValueError("--meta-init with --tie-embeddings: materialising unit by unit breaks the tie; "
-                         "use one of them")
 
 
 def resolve_model_config(cfg, data_vocab_size=0):

@@ -75,16 +75,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import data as data_lib
-import model as model_lib
-
 # =============================================================================================
 # Configuration: one tree of dataclasses. Every field is a command-line flag (--field-name),
 # a key of the TOML table of its section, and may be set by a preset.
 # Precedence: command line > config file > preset > default.
 
 
-opt = data_lib.opt  # a dataclass field with its help line (and valid values): one helper for all sections
+def opt(default, help, choices=None):
+    """A config field whose help text (and valid values) become the command-line flag's."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -112,6 +111,9 @@ class FSDPConfig:
     reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
     buffer_dtype: str = opt("fp32", "dtype of buffers (the built-in models have none: RoPE is computed in fp32)",
                             ["bf16", "fp16", "fp32"])
+    autocast: bool = opt(False, "fsdp, fsdp2: run forward and loss under torch.autocast(param_dtype) too, as ddp and "
+                         "none do: its fp32 ops (cross_entropy, softmax, layer_norm, ...) then run in fp32, e.g. the "
+                         "loss of a model that computes its own")
 
 
 @dataclass
@@ -131,7 +133,12 @@ class TrainConfig:
     epochs: float = opt(1.0, "passes over the training set when --max-steps is 0")
     lr: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
-    warmup_steps: int = opt(50, "linear warmup steps before cosine decay")
+    warmup_steps: int = opt(50, "linear warmup steps")
+    lr_schedule: str = opt("cosine", "after warmup, cosine: decay to min_lr_ratio * lr at step --lr-decay-steps, "
+                           "then that rate; wsd: lr, then a linear decay over the last --lr-decay-steps steps of "
+                           "--max-steps (README: learning-rate schedule)", ["cosine", "wsd"])
+    lr_decay_steps: int = opt(0, "cosine: the step where the decay ends; wsd: the decay's length; 0 = --max-steps "
+                              "(cosine) or a fifth of it (wsd) at the run's first launch, then kept on resume")
     lr_scale_base_batch: int = opt(0, "if > 0, scale lr linearly by global_batch / this")
     weight_decay: float = opt(0.1, "AdamW weight decay, on >= 2-D weights only")
     beta1: float = opt(0.9, "AdamW beta1")
@@ -141,7 +148,7 @@ class TrainConfig:
     eval_samples: int = opt(512, "validation sequences per evaluation")
     log_every: int = opt(10, "log metrics every N steps")
     skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf instead of stopping")
-    out_dir: str = opt("", "run directory; empty = runs/<arch>-<date-time>")
+    out_dir: str = opt("", "run directory; empty = runs/<model class>-<date-time>")
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
     compile: bool = opt(False, "torch.compile the model (see --compile-scope; fsdp forces use_orig_params) and the "
                         "loss")
@@ -160,6 +167,11 @@ class TrainConfig:
                             "RUN_DIR/tensorboard (pip install tensorboard)")
     wandb: str = opt("", "also log every metric and the config to this W&B project (pip install wandb; "
                      "WANDB_MODE=offline logs without internet, `wandb sync` later); a resume continues the run")
+
+    @staticmethod
+    def saved_fields(table):
+        """A saved run's [train] table: runs saved before --lr-schedule decayed by cosine."""
+        return {"lr_schedule": "cosine", **table}
 
 
 @dataclass
@@ -182,10 +194,26 @@ class CheckpointConfig:
     init_from: str = opt("", "start a new run from the weights of this checkpoint (run dir, step dir or model.pt)")
 
 
+def project_model_config():
+    import model as model_lib  # this project's model.py, imported only where its seams are used
+    return model_lib.ModelConfig()
+
+
+def project_data_config():
+    import data as data_lib  # this project's data.py, likewise
+    return data_lib.DataConfig()
+
+
+@dataclass
+class NoSettings:
+    """The [model] or [data] section of seams that bring no settings of their own."""
+
+
 @dataclass
 class Config:
-    model: model_lib.ModelConfig = field(default_factory=model_lib.ModelConfig)
-    data: data_lib.DataConfig = field(default_factory=data_lib.DataConfig)
+    # The seams' settings (run()'s model_config and data_config); by default this project's.
+    model: typing.Any = field(default_factory=project_model_config)
+    data: typing.Any = field(default_factory=project_data_config)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -209,7 +237,7 @@ PRESETS = {
 # What only FSDP reads (param_dtype and activation checkpointing serve DDP and one device too).
 FSDP_ONLY = {"sharding_strategy", "hybrid_shard_size", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
              "use_orig_params", "cpu_offload", "sync_module_states", "auto_wrap", "min_num_params", "reduce_dtype",
-             "buffer_dtype"}
+             "buffer_dtype", "autocast"}
 # FSDP1 settings FSDP2 has no form for: said, not refused, when changed from the default.
 FSDP2_IGNORED = {"backward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "buffer_dtype"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -247,13 +275,22 @@ class Preempted(Exception):
 
 
 # =============================================================================================
-# Seams: model, loss, data. Replace these three to train your own model with this file
-# (tests/test_seams.py does, with a model and a batch source that import nothing from here).
+# Seams: model, loss, data and their settings. These defaults train this project's model.py on its
+# data.py, imported only where they run: in your repo (its own model.py, data/, ...) pass yours to
+# run() (tests/test_seams.py does, in a throwaway repo). Your seams' settings are dataclasses,
+# run(model_config=..., data_config=...): cfg.model and cfg.data, each field a flag, a key of the
+# [model] / [data] table of --config, saved in config.json and compared on resume (refused when it
+# changed). Optional on such a dataclass: check(self) and resolve(self, data) (before anything is
+# set up; once the data is loaded: fill derived fields), raising ValueError (one line, exit 2) on
+# bad values; RESUME_FREE, the fields a resume may change; PRESETS, {field: {value: {section:
+# {key: value}}}}, bundles a field names (--size); saved_fields(table), a saved run's table with
+# the fields it predates filled in.
 
 
 def build_model(cfg):
     """Returns (model, wrap_classes, checkpoint_classes): the module, the block classes FSDP
     makes into units, and the block classes activation checkpointing recomputes."""
+    import model as model_lib
     model = model_lib.build_model(cfg.model)
     wrap = {model_lib.DecoderBlock, model_lib.LatentSampler}
     return model, wrap, {model_lib.DecoderBlock}
@@ -265,6 +302,7 @@ def compute_loss(model, x, y, cfg):
     the CE for the baseline, the bound CE + KL for the Free Transformer (model.comparable_losses).
     Under --compile the loss is compiled too: the cross-entropy over the vocabulary runs fused
     instead of writing fp32 copies of the logits."""
+    import model as model_lib
     logits, latent = model(x)
     loss, parts = (compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
     if latent is not None and not model.training:
@@ -275,6 +313,7 @@ def compute_loss(model, x, y, cfg):
 
 @functools.cache
 def compiled_lm_loss():
+    import model as model_lib
     return torch.compile(model_lib.lm_loss)  # made on first use: torch.compile loads dynamo (~1 s)
 
 
@@ -284,7 +323,7 @@ class BatchSource(typing.Protocol):
     are addressed, not iterated: a step's rows are the same at any world size and after a resume."""
 
     seq_len: int  # tokens per row: x and y are (rows, seq_len) int64 tensors, y is x shifted by one
-    vocab_size: int  # token ids are below it; fills --vocab-size 0
+    vocab_size: int  # token ids are below it (a model config's resolve(data) may read it)
     n_val: int  # validation rows
     tokenizer_path: str  # saved with every checkpoint, for sampling; "" when there is none
 
@@ -299,7 +338,9 @@ class BatchSource(typing.Protocol):
 
 
 def load_dataset(cfg, rank) -> BatchSource:
-    """Rank 0 tokenises and caches; everyone then opens the cache read-only."""
+    """Rank 0 tokenises and caches; everyone then opens the cache read-only. Bad settings:
+    raise BadInput (one line, exit 2)."""
+    import data as data_lib
     agree(lambda: data_lib.prepare_data(cfg.data), rank)
     try:
         return data_lib.load_data(cfg.data, cfg.train.seed)
@@ -403,7 +444,7 @@ def agree(fn, rank):
     if rank == 0:
         try:
             out[1] = fn()
-        except (BadInput, RunFailed, data_lib.DataError) as e:
+        except (BadInput, RunFailed, ValueError) as e:  # ValueError: a seam's bad setting
             out[0] = str(e)
         except OSError as e:  # e.g. --out-dir is a file, a read-only or full disk
             out[0] = f"{e.strerror}: {e.filename}"
@@ -432,7 +473,9 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     """The model on its device as FSDP1 or FSDP2 units (shard_units), DDP or plain, with
     activation checkpointing of every ac_every-th block and torch.compile. A model built on the
     meta device (--meta-init) is materialised and initialised here (init_fn: the model's
-    per-module initialisation)."""
+    per-module initialisation): FSDP1 unit by unit, FSDP2 once sharded, the others module by module,
+    all in the same order (init_order) and with the same tensors (meta_init_fn), so the weights do
+    not depend on the strategy or the world size."""
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
@@ -443,13 +486,12 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
             b.compile(mode=mode)
     if strategy == "fsdp2":
         return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
+    materialise = meta_init_fn(model, init_fn, device) if f.meta_init else None
     if strategy == "fsdp":
-        model = FSDP(model, **fsdp_kwargs(cfg, units, topo, init_fn))
+        model = FSDP(model, param_init_fn=materialise, **fsdp_kwargs(cfg, units, topo))
     else:
-        if any(p.is_meta for p in model.parameters()):  # --meta-init that resolve_strategy made DDP
-            order = init_order(model, units)
-            model.to_empty(device=device)
-            init_weights(order, init_fn)
+        for m in init_order(model, units) if f.meta_init else []:
+            materialise(m)
         if strategy == "ddp":
             # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
             model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
@@ -546,24 +588,69 @@ def init_order(model, units):
     return order
 
 
+def meta_init_fn(model, init_fn, device):
+    """--meta-init under FSDP1, DDP and one device: a function that allocates one module's own
+    meta-device tensors on `device` and initialises them (init_tensors). A parameter that several
+    modules share (a tied embedding and LM head, found from the model) is allocated once, at its
+    first holder, and given to the others: to_empty, which FSDP1 would run module by module, gives
+    each holder a copy of its own and unties them."""
+    names = {m: name or type(model).__name__ for name, m in model.named_modules()}
+    holders = collections.Counter(p for m in model.modules() for p in m.parameters(recurse=False))
+    shared = {}  # meta parameter -> its allocation, until every holder has it
+
+    def materialise(module):
+        fresh = {}
+        for n, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if p not in shared:
+                    shared[p] = fresh[n] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                module._parameters[n] = shared[p]
+                holders[p] -= 1
+                if not holders[p]:
+                    del shared[p]
+        for n, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[n] = fresh[n] = torch.empty_like(b, device=device)
+        init_tensors(module, names[module], fresh, init_fn)
+    return materialise
+
+
 @torch.no_grad()
-def init_weights(order, init_fn):
-    """--meta-init outside FSDP1 (whose param_init_fn does the same), after to_empty: run each
-    module's initialisation (init_fn(module), else its reset_parameters) in `order`. A sharded
-    (DTensor) parameter is initialised as a full-size tensor of which each rank keeps its shard,
-    so the weights do not depend on the world size: one parameter at a time is held in full."""
+def init_tensors(module, name, fresh, init_fn):
+    """Initialise the newly allocated tensors `fresh` ({attribute: tensor}) of `module` as building
+    it and then the model's own initialisation would: its reset_parameters (which torch's modules
+    run when built), then init_fn(module) (the model's init_module). They are NaN until then: one
+    still NaN is one that nothing initialises, refused before training."""
+    if not fresh:
+        return
+    for t in fresh.values():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    if init_fn is not None:
+        init_fn(module)
+    for n, t in fresh.items():
+        if t.is_floating_point() and t.isnan().any():
+            raise BadInput(f"--meta-init: nothing initialises {name}.{n} ({type(module).__name__}): give the model an "
+                           "init_module(module) that covers it, or the module a reset_parameters()")
+
+
+@torch.no_grad()
+def init_weights(model, order, init_fn):
+    """--meta-init under FSDP2, after to_empty: initialise each module in `order` (init_tensors). A
+    sharded (DTensor) parameter is initialised as a full-size tensor of which each rank keeps its
+    shard, so the weights do not depend on the world size: one parameter at a time is held in full."""
+    names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     for m in order:
-        if not any(True for _ in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))):
-            continue
         own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)}
         full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device) for n, p in own.items()}
+        plain = {n: t for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
+                 if t is not None and n not in own}
         try:
             for n, t in full.items():
                 m._parameters[n] = torch.nn.Parameter(t, requires_grad=own[n].requires_grad)
-            if init_fn is not None:
-                init_fn(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            init_tensors(m, names[m], {**plain, **full}, init_fn)
         finally:
             m._parameters.update(own)
         for n, p in own.items():
@@ -580,10 +667,10 @@ def checkpoint_blocks(model, chosen):
     return {w._checkpoint_wrapped_module: w for w in model.modules() if isinstance(w, CheckpointWrapper)}
 
 
-def fsdp_kwargs(cfg, units, topo, init_fn):
+def fsdp_kwargs(cfg, units, topo):
     f = cfg.fsdp
     chosen = set(units)
-    kw = dict(
+    return dict(
         auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in chosen),
         sharding_strategy=ShardingStrategy[f.sharding_strategy],
         mixed_precision=MixedPrecision(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
@@ -598,18 +685,6 @@ def fsdp_kwargs(cfg, units, topo, init_fn):
         device_id=topo.device,
         device_mesh=topo.mesh,
     )
-    if f.meta_init:
-        device = topo.device
-
-        def param_init_fn(module):  # called once per module; initialise its own tensors only
-            module.to_empty(device=device, recurse=False)
-            if init_fn is not None:
-                with torch.no_grad():
-                    init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        kw["param_init_fn"] = param_init_fn
-    return kw
 
 
 def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
@@ -651,7 +726,7 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
     fully_shard(model, reshard_after_forward=False, mp_policy=precision(True), **kw)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu" if f.cpu_offload else topo.device)
-        init_weights(order, init_fn)
+        init_weights(model, order, init_fn)
     if f.forward_prefetch:
         forward_prefetch_in_run_order(model, sharded)
     return model
@@ -722,12 +797,26 @@ def clip_gradients(model, cfg):
 
 def precision_context(cfg, device):
     """FSDP1 and FSDP2 cast through their mixed-precision policies (parameters and activations in
-    param_dtype). DDP and one device use autocast with that dtype instead: the matrix products run
-    in it, but the weights and the residual stream stay fp32, so their numerics are not FSDP's."""
+    param_dtype): what the model and compute_loss compute is in param_dtype unless they cast it,
+    or --autocast adds autocast. DDP and one device use autocast with that dtype instead: the
+    matrix products run in it, but the weights and the residual stream stay fp32, so their
+    numerics are not FSDP's."""
     dtype = DTYPES[cfg.fsdp.param_dtype]
-    if cfg.train.strategy in ("fsdp", "fsdp2") or dtype == torch.float32:
+    if dtype == torch.float32 or (cfg.train.strategy in ("fsdp", "fsdp2") and not cfg.fsdp.autocast):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def loss_precision(cfg):
+    """The start-up line on the precision compute_loss runs in (precision_context)."""
+    dtype = cfg.fsdp.param_dtype
+    if dtype == "fp32":
+        return "loss: compute_loss runs in fp32"
+    if cfg.train.strategy in ("fsdp", "fsdp2") and not cfg.fsdp.autocast:
+        return (f"loss: compute_loss gets the model's {dtype} outputs (FSDP computes in {dtype}, no autocast): a loss "
+                f"it does not compute in fp32 (this project's casts the logits) is {dtype}; --autocast runs "
+                "cross_entropy, softmax and norms in fp32")
+    return f"loss: compute_loss runs under autocast {dtype}: cross_entropy, softmax and norms in fp32"
 
 
 def grad_scaler(cfg, device):
@@ -768,8 +857,6 @@ def check_strategy(cfg, topo=None):
     """What each strategy accepts: called with the settings alone (before anything is set up),
     then again with the topology (world size and device)."""
     t, f = cfg.train, cfg.fsdp
-    if f.meta_init and t.strategy not in ("fsdp", "fsdp2"):
-        raise BadInput(f"--meta-init needs --strategy fsdp or fsdp2 (got {t.strategy})")
     if t.strategy in ("fsdp", "fsdp2"):
         if topo and "HYBRID" in f.sharding_strategy and topo.world % hybrid_shard_size(cfg, topo):
             raise BadInput(f"--hybrid-shard-size {hybrid_shard_size(cfg, topo)} must divide the world size "
@@ -885,8 +972,12 @@ def plan_run(cfg, topo, data):
     micro = t.micro_batch or t.global_batch // topo.world
     return Plan(micro=micro, accum=t.global_batch // (micro * topo.world), seq_len=data.seq_len,
                 tokens_per_step=t.global_batch * data.seq_len,
-                max_steps=t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch)),
-                peak_lr=t.lr * (t.global_batch / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0))
+                max_steps=t.max_steps, peak_lr=peak_lr(t))
+
+
+def peak_lr(t):
+    """--lr, scaled by global_batch / --lr-scale-base-batch when that is set."""
+    return t.lr * (t.global_batch / t.lr_scale_base_batch if t.lr_scale_base_batch else 1.0)
 
 
 def unwrapped_name(name):
@@ -914,12 +1005,39 @@ def build_optimizer(model, cfg, lr, device, decay_names):
 
 
 def lr_at(step, peak, cfg, max_steps):
-    """Linear warmup, then cosine decay reaching min_lr_ratio * peak at the last step."""
-    t = cfg.train
+    """The rate of step `step` (from 0) of a run of max_steps: a linear warmup, then cosine: decay
+    reaching min_lr_ratio * peak at step --lr-decay-steps (the run's first max_steps), that rate
+    after it; wsd: the peak, then a linear decay over the last --lr-decay-steps steps to
+    min_lr_ratio * peak at the last step. (--lr-decay-steps 0 here: the default for max_steps.)"""
+    t, floor = cfg.train, cfg.train.min_lr_ratio
     if step < t.warmup_steps:
         return peak * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, max_steps - 1 - t.warmup_steps)
-    return peak * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if t.lr_schedule == "wsd":
+        decay = t.lr_decay_steps or max(1, max_steps // 5)
+        return peak * (1 - (1 - floor) * min(1.0, max(0.0, (step + 1 - max_steps + decay) / decay)))
+    progress = (step - t.warmup_steps) / max(1, (t.lr_decay_steps or max_steps) - 1 - t.warmup_steps)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def schedule_change(cfg, before, start):
+    """What a resume at step `start` with another --max-steps or --lr-decay-steps does to the rates
+    (one line): the steps the run had planned whose rate changes, and the steps added. `before`:
+    the saved run's [train] table."""
+    t, peak = cfg.train, peak_lr(cfg.train)
+    old_steps = before.get("max_steps") or t.max_steps
+    old = dataclasses.replace(cfg, train=dataclasses.replace(t, lr_decay_steps=before.get("lr_decay_steps") or 0))
+    planned = range(start, min(old_steps, t.max_steps))
+    moved = [s for s in planned if not math.isclose(lr_at(s, peak, old, old_steps), lr_at(s, peak, cfg, t.max_steps))]
+    if moved:
+        s = moved[0]
+        parts = [f"steps {s + 1}-{moved[-1] + 1} of the plan change rate (step {s + 1}: "
+                 f"{lr_at(s, peak, old, old_steps):.2e} -> {lr_at(s, peak, cfg, t.max_steps):.2e})"]
+    else:
+        parts = [f"steps {start + 1}-{planned[-1] + 1} keep their planned rates"] if planned else []
+    if t.max_steps > old_steps:
+        parts.append(f"steps {old_steps + 1}-{t.max_steps} are added, at {lr_at(old_steps, peak, cfg, t.max_steps):.2e}"
+                     f" to {lr_at(t.max_steps - 1, peak, cfg, t.max_steps):.2e}")
+    return f"learning rate ({t.lr_schedule}, lr_decay_steps {t.lr_decay_steps}): " + "; ".join(parts or ["unchanged"])
 
 
 # =============================================================================================
@@ -1659,24 +1777,25 @@ def flight_recorder_dumps():
     return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None
 
 
-# A resume may not change what the run computes; other changes (logging, max_steps, FSDP
-# knobs, world size) are allowed and logged.
-RESUME_FIXED = {"model": None, "data": None,  # None: every key but those in RESUME_FREE
-                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
-                          "weight_decay", "beta1", "beta2", "grad_clip"}}
-RESUME_FREE = {"model": model_lib.RESUME_FREE, "data": data_lib.RESUME_FREE}
+# A resume may not change what the run computes: these training settings, and every field of the
+# seams' sections (model, data) but those their dataclass lists in RESUME_FREE. Other changes
+# (logging, max_steps, FSDP knobs, world size) are allowed and logged.
+RESUME_FIXED = {"fsdp": set(), "checkpoint": set(),
+                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_schedule",
+                          "lr_scale_base_batch", "weight_decay", "beta1", "beta2", "grad_clip"}}
 
 
-def config_changes(old, new):
-    """(refused, allowed): 'section.key: old -> new' for every difference between two configs."""
+def config_changes(old, cfg):
+    """(refused, allowed): 'section.key: old -> new' for every difference between a saved config
+    and cfg."""
     refused, allowed = [], []
-    for section, table in new.items():
-        for key, value in table.items():
+    for section, sec in sections(cfg).items():
+        for key, value in dataclasses.asdict(sec).items():
             before = old.get(section, {}).get(key)
             if before == value:
                 continue
-            fixed = RESUME_FIXED.get(section, set())
-            refuse = key not in RESUME_FREE.get(section, ()) and (fixed is None or key in fixed)
+            fixed = RESUME_FIXED[section] if section in RESUME_FIXED else set(dataclasses.asdict(sec))
+            refuse = key in fixed and key not in getattr(sec, "RESUME_FREE", ())
             (refused if refuse else allowed).append(f"{section}.{key}: {before!r} -> {value!r}")
     return refused, allowed
 
@@ -1720,14 +1839,22 @@ def prepare_run_dir(cfg, rank):
             except ValueError:
                 raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
                                "another directory or pass --overwrite")
+        for section, sec in sections(cfg).items() if old is not None else ():  # fields the old run predates
+            if hasattr(sec, "saved_fields"):
+                old[section] = sec.saved_fields(old.get(section, {}))
+        # The schedule's length is the run's, fixed at its first launch: a resume keeps it.
+        t = cfg.train
+        t.lr_decay_steps = t.lr_decay_steps or (old or {}).get("train", {}).get("lr_decay_steps") or \
+            (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
         if old is not None:
-            old["model"] = model_lib.saved_fields(old.get("model", {}))  # fields the old run predates
-            refused, allowed = config_changes(old, dataclasses.asdict(cfg))
+            refused, allowed = config_changes(old, cfg)
             if refused:
                 raise BadInput(f"--out-dir {run_dir} already holds a run with another config "
                                f"({'; '.join(refused)}); resuming would silently change it: choose another "
                                "directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
+            if resume and any(line.startswith(("train.max_steps", "train.lr_decay_steps")) for line in allowed):
+                notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
         os.makedirs(run_dir, exist_ok=True)
         if flight_recorder_dumps():  # the flight recorder's dumps need their directory
             os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
@@ -1741,9 +1868,10 @@ def prepare_run_dir(cfg, rank):
             if name.startswith(".tmp-"):  # left by a save that was killed
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         write_text_atomic(config_path, json.dumps(dataclasses.asdict(cfg), indent=2))
-        return resume, notes
+        return resume, notes, t.lr_decay_steps
 
-    return agree(decide, rank)
+    resume, notes, cfg.train.lr_decay_steps = agree(decide, rank)  # decided on rank 0
+    return resume, notes
 
 
 def keep_metric_lines(path, last_step):
@@ -1975,6 +2103,7 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(headline)
+    log.line(loss_precision(cfg))
     if t.compile:
         mode = compile_mode(cfg, params["total"])
         log.line(f"compile: {'each block' if t.strategy == 'fsdp2' or t.compile_scope == 'blocks' else 'the model'}"
@@ -2090,22 +2219,36 @@ class OneLineParser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def build_arg_parser():
+def field_type(section, f):
+    """int, float, str or bool: the types a setting may have (a string under `from __future__
+    import annotations`)."""
+    typ = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
+    if typ not in (int, float, str, bool):
+        raise BadInput(f"{section}.{f.name}: type {f.type!r}; a setting is an int, float, str or bool")
+    return typ
+
+
+def build_arg_parser(cfg=None):
+    """The flags of cfg's fields (by default this project's sections: Config())."""
     parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a flag; "
                            "--config FILE.toml sets the same fields by [section].", allow_abbrev=False)
     parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train], "
                         "[checkpoint] tables")
     parser.add_argument("--export", metavar="CHECKPOINT_DIR", default=argparse.SUPPRESS,
                         help="write CHECKPOINT_DIR/model.pt from a sharded checkpoint, then exit (given alone)")
-    for section, obj in sections(Config()).items():
+    owner = {}  # flag -> the field that has it: a seam's setting may not reuse a trainer's flag
+    for section, obj in sections(cfg or Config()).items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(obj):
+            flag = flag_name(f.name)
+            if flag in owner:
+                raise BadInput(f"{owner[flag]} and {section}.{f.name} would both be {flag}: rename one")
+            owner[flag] = f"{section}.{f.name}"
             kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
-            if f.type in (bool, "bool"):
-                group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+            if field_type(section, f) is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             else:
-                typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-                group.add_argument(flag_name(f.name), type=typ, choices=f.metadata.get("choices"), **kw)
+                group.add_argument(flag, type=field_type(section, f), choices=f.metadata.get("choices"), **kw)
     return parser
 
 
@@ -2118,7 +2261,7 @@ def set_field(cfg, section, key, value, source):
     if key not in fields:
         raise BadInput(f"{source}: unknown key {section}.{key}; valid keys: {', '.join(fields)}")
     f = fields[key]
-    typ = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
+    typ = field_type(section, f)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not typ:
@@ -2146,8 +2289,11 @@ def read_toml(config_path):
     return file_values
 
 
-def parse_config(argv):
-    args = vars(build_arg_parser().parse_args(argv))
+def parse_config(argv, cfg=None):
+    """The config of a command line: cfg (by default Config(), this project's sections) set from
+    the bundles (--preset, and those a seam's settings name: --size), the file and the flags."""
+    cfg = cfg or Config()
+    args = vars(build_arg_parser(cfg).parse_args(argv))
     if "export" in args:
         raise BadInput("--export takes a checkpoint directory and no other flag")
     config_path = args.pop("config")
@@ -2163,20 +2309,18 @@ def parse_config(argv):
     def source(section, key):
         return "the command line" if key in cli.get(section, {}) else config_path
 
+    bundles = {("train", "preset"): PRESETS}
+    bundles.update({(section, key): named for section, sec in sections(cfg).items()
+                    for key, named in getattr(sec, "PRESETS", {}).items()})
     layers = []
-    preset, size = chosen("train", "preset"), chosen("model", "size")
-    if preset:
-        if preset not in PRESETS:
-            raise BadInput(f"--preset {preset!r} (from {source('train', 'preset')}); "
-                           f"valid presets: {', '.join(PRESETS)}")
-        layers.append((PRESETS[preset], f"preset {preset}"))
-    if size:
-        if size not in model_lib.SIZE_PRESETS:
-            raise BadInput(f"--size {size!r} (from {source('model', 'size')}); "
-                           f"valid sizes: {', '.join(model_lib.SIZE_PRESETS)}")
-        layers.append(({"model": model_lib.SIZE_PRESETS[size]}, f"size {size}"))
+    for (section, key), named in bundles.items():
+        name = chosen(section, key)
+        if name and name not in named:
+            raise BadInput(f"{flag_name(key)} {name!r} (from {source(section, key)}); valid values: "
+                           f"{', '.join(named)}")
+        if name:
+            layers.append((named[name], f"{key} {name}"))
     layers += [(file_values, config_path), (cli, "command line")]
-    cfg = Config()
     for values, where in layers:
         for section, table in values.items():
             for key, value in table.items():
@@ -2186,8 +2330,8 @@ def parse_config(argv):
 
 def check_ranges(cfg):
     """Numbers outside their range, each reported by its flag before anything is written (the
-    model's own fields: model.check_model_config)."""
-    t, f, c, d = cfg.train, cfg.fsdp, cfg.checkpoint, cfg.data
+    seams' own settings: their check())."""
+    t, f, c = cfg.train, cfg.fsdp, cfg.checkpoint
     rules = [("global_batch", t.global_batch >= 1, ">= 1"), ("micro_batch", t.micro_batch >= 0, ">= 0"),
              ("max_steps", t.max_steps >= 0, ">= 0"), ("epochs", t.epochs > 0, "> 0"),
              ("lr", t.lr > 0, "> 0"), ("min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
@@ -2197,13 +2341,13 @@ def check_ranges(cfg):
              ("eval_samples", t.eval_samples >= 1, ">= 1"), ("log_every", t.log_every >= 1, ">= 1"),
              ("save_every", c.save_every >= 0, ">= 0"), ("keep_checkpoints", c.keep_checkpoints >= 1, ">= 1"),
              ("lr_scale_base_batch", t.lr_scale_base_batch >= 0, ">= 0"),
+             ("lr_decay_steps", t.lr_decay_steps >= 0, ">= 0"),
              ("ac_every", f.ac_every >= 1, ">= 1"), ("min_num_params", f.min_num_params >= 1, ">= 1"),
-             ("hybrid_shard_size", f.hybrid_shard_size >= 0, ">= 0"),
-             ("val_fraction", 0 < d.val_fraction <= 0.5, "in (0, 0.5]")]
+             ("hybrid_shard_size", f.hybrid_shard_size >= 0, ">= 0")]
     # inf passes a check like "> 0" and nan none: every float setting must be finite (an
     # infinite learning rate, epoch count or clip norm has no meaning; 0 turns clipping off).
     valid_of = {name: valid for name, _, valid in rules}
-    for sec in (t, f, c, d):
+    for sec in sections(cfg).values():
         for fld in dataclasses.fields(sec):
             value = getattr(sec, fld.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -2211,7 +2355,7 @@ def check_ranges(cfg):
                                (f" {valid_of[fld.name]}" if fld.name in valid_of else ""))
     for name, ok, valid in rules:
         if not ok:
-            value = next(getattr(sec, name) for sec in (t, f, c, d) if hasattr(sec, name))
+            value = next(getattr(sec, name) for sec in (t, f, c) if hasattr(sec, name))
             raise BadInput(f"{flag_name(name)} {value}: must be {valid}")
 
 
@@ -2221,11 +2365,7 @@ def check_config(cfg):
     if cfg.checkpoint.async_save and cfg.checkpoint.checkpoint_type != "sharded":
         raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one file that rank 0 "
                        "writes with torch.save)")
-    try:
-        # The tied-embedding rule is FSDP1's: it materialises a meta-device model module by module.
-        model_lib.check_model_config(cfg.model, meta_init=cfg.fsdp.meta_init and cfg.train.strategy == "fsdp")
-    except ValueError as e:
-        raise BadInput(str(e))
+    seam_hooks(cfg, "check")
     check_strategy(cfg)
     for flag, wanted, module, package in (("--tensorboard", cfg.train.tensorboard, "torch.utils.tensorboard",
                                            "tensorboard"), ("--wandb", cfg.train.wandb, "wandb", "wandb")):
@@ -2234,6 +2374,17 @@ def check_config(cfg):
                 importlib.import_module(module)
         except ImportError:
             raise BadInput(f"{flag} needs the {package} package, which is not installed: pip install {package}")
+
+
+def seam_hooks(cfg, name, *args):
+    """Call the hook `name` (check, resolve) of every section that has one: the seams' settings
+    check themselves. Their ValueError is bad input."""
+    for sec in sections(cfg).values():
+        if hasattr(sec, name):
+            try:
+                getattr(sec, name)(*args)
+            except ValueError as e:
+                raise BadInput(str(e)) from None
 
 
 def check_world(cfg, topo):
@@ -2252,17 +2403,21 @@ def check_world(cfg, topo):
 
 def resolve_config(cfg, topo, data):
     """Fill in what the settings leave open, once the world and the data are known: the
-    strategy's needs (resolve_strategy), the default run directory, the model's derived fields
-    and vocabulary. From here on the config is only read; it is the one printed and saved."""
+    strategy's needs (resolve_strategy), the run's length, the seams' derived fields (resolve(data):
+    the model's vocabulary, ...). With name_run_dir and the schedule's length (prepare_run_dir), the
+    config is then only read; it is the one printed and saved."""
     resolve_strategy(cfg, topo)
+    t = cfg.train
+    t.max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
+    seam_hooks(cfg, "resolve", data)
+
+
+def name_run_dir(cfg, model):
+    """--out-dir left empty: runs/<model class>-<date-time>, one name for all ranks."""
     if not cfg.train.out_dir:
         stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
-        dist.broadcast_object_list(stamp, src=0)  # one name for all ranks
-        cfg.train.out_dir = os.path.join("runs", f"{cfg.model.arch}-{stamp[0]}")
-    try:
-        model_lib.resolve_model_config(cfg.model, data.vocab_size)
-    except ValueError as e:
-        raise BadInput(str(e))
+        dist.broadcast_object_list(stamp, src=0)
+        cfg.train.out_dir = os.path.join("runs", f"{type(model).__name__.lower()}-{stamp[0]}")
 
 
 # =============================================================================================
@@ -2285,16 +2440,25 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, log):
     return 0, 0
 
 
-def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dataset=load_dataset):
+def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None,
+         data_config=None):
     """One run, in the order of the file: config, distributed setup, data, model, wrapping,
-    optimizer, loop, checkpoints, exit. The seams are arguments (tests/test_seams.py passes its own)."""
+    optimizer, loop, checkpoints, exit. The seams are arguments (see Seams above; run() passes
+    them): those not given are this project's, and so are their settings (model.ModelConfig,
+    data.DataConfig); model_config / data_config: the dataclasses of your seams' settings (none
+    if not given)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
         if len(argv) != 2:
             raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
         export_checkpoint(argv[1])
         return None
-    cfg = parse_config(argv)
+    this = sys.modules[__name__]
+    sections_of = {"model": model_config or (NoSettings if build_model else project_model_config),
+                   "data": data_config or (NoSettings if load_dataset else project_data_config)}
+    build_model, load_dataset = build_model or this.build_model, load_dataset or this.load_dataset
+    compute_loss = compute_loss or this.compute_loss
+    cfg = parse_config(argv, Config(**{name: make() for name, make in sections_of.items()}))
     check_config(cfg)
     topo = setup_distributed(cfg)
     check_world(cfg, topo)
@@ -2308,13 +2472,10 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     torch.manual_seed(t.seed)
     with torch.device("meta") if cfg.fsdp.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
+    name_run_dir(cfg, model)
     if c.init_from:  # a bad path or shape fails before anything is written
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         agree(lambda: check_init_from(c.init_from, shapes), rank)
-    resume, notes = prepare_run_dir(cfg, rank)
-    run_dir, log = t.out_dir, RunLog(t.out_dir, rank)
-    if rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg), indent=1))
 
     decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
     params = {"total": sum(p.numel() for p in model.parameters()),
@@ -2323,9 +2484,14 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     # (one of yours through the seams), the usual estimate of 6 per parameter.
     flops_tok = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * params["total"]
     eval_note = getattr(model, "evaluation_note", "")  # what the validation figures mean, where a model says
+    # Before the run directory is touched: --meta-init refuses a module that nothing initialises here.
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
     dist.all_gather_object(params["per_rank"], local_parameter_count(model))
+    resume, notes = prepare_run_dir(cfg, rank)
+    run_dir, log = t.out_dir, RunLog(t.out_dir, rank)
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg), indent=1))
     torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, decay_names)
     scaler = grad_scaler(cfg, topo.device)
@@ -2431,12 +2597,13 @@ def main(argv=None, build_model=build_model, compute_loss=compute_loss, load_dat
     return val
 
 
-def run():
-    """Command-line entry. Bad input: one line on stderr (rank 0), exit 2. A run that cannot go
-    on: one line, exit 1. Stopped by SIGTERM/SIGUSR1 after saving: exit 3 (requeue me)."""
+def run(argv=None, **seams):
+    """The entry point, of `python train_fsdp.py` and of your own model's script: main(argv,
+    **seams), then exit. Bad input: one line on stderr (rank 0), exit 2. A run that cannot go on:
+    one line, exit 1. Stopped by SIGTERM/SIGUSR1 after saving: exit 3 (requeue me). Finished: 0."""
     code, message = 0, None
     try:
-        main()
+        main(argv, **seams)
     except BadInput as e:
         code, message = EXIT_BAD_INPUT, f"error: {e}"
     except RunFailed as e:

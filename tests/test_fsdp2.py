@@ -136,14 +136,6 @@ def test_fsdp2_refuses_no_shard_pointing_to_ddp():
     assert "NO_SHARD" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_fsdp2_allows_meta_init_with_tied_embeddings():
-    """FSDP1 materialises a meta-device model module by module, which breaks the tie (refused, see
-    test_config); FSDP2 allocates the whole sharded model at once and keeps it."""
-    train_fsdp.check_config(train_fsdp.parse_config(["--strategy", "fsdp2", "--meta-init", "--tie-embeddings"]))
-    with pytest.raises(train_fsdp.BadInput, match="--tie-embeddings"):
-        train_fsdp.check_config(train_fsdp.parse_config(["--meta-init", "--tie-embeddings"]))
-
-
 def topology(world=2):
     return train_fsdp.Topology(rank=1, local_rank=1, world=world, local_world=world, device=torch.device("cpu"),
                                backend="gloo")  # rank 1: resolve_strategy prints nothing
