@@ -10,9 +10,15 @@ the run directory and logging; the command-line and TOML parsing, then main(), c
     torchrun --nproc_per_node=4 train_fsdp.py             # one node, 4 GPUs
     srun python train_fsdp.py                             # Slurm tasks, no torchrun
 
-To train your own model, change the four seams: build_model, compute_loss, load_dataset
-(the batch source, see BatchSource) and the block classes that build_model returns (the FSDP
-wrap unit and the activation-checkpointing unit). main() takes each as an argument.
+To train your own model, copy this file alone into your repo (it imports nothing of this project
+but in its default seams, when they run) and call run() from your script with your seams:
+
+    train_fsdp.run(build_model=..., compute_loss=..., load_dataset=...,   # see "Seams" below
+                   model_config=MyModelConfig, data_config=MyDataConfig)  # your settings' dataclasses
+
+Each field of those dataclasses is then a flag, a key of the [model] / [data] table of --config,
+saved in config.json and checked on resume. run() gives the exit codes, signal handling and
+shutdown of `python train_fsdp.py`. README: "Training your own model".
 """
 
 import argparse
@@ -167,11 +173,6 @@ class TrainConfig:
                             "RUN_DIR/tensorboard (pip install tensorboard)")
     wandb: str = opt("", "also log every metric and the config to this W&B project (pip install wandb; "
                      "WANDB_MODE=offline logs without internet, `wandb sync` later); a resume continues the run")
-
-    @staticmethod
-    def saved_fields(table):
-        """A saved run's [train] table: runs saved before --lr-schedule decayed by cosine."""
-        return {"lr_schedule": "cosine", **table}
 
 
 @dataclass
@@ -1020,12 +1021,13 @@ def lr_at(step, peak, cfg, max_steps):
 
 
 def schedule_change(cfg, before, start):
-    """What a resume at step `start` with another --max-steps or --lr-decay-steps does to the rates
-    (one line): the steps the run had planned whose rate changes, and the steps added. `before`:
-    the saved run's [train] table."""
+    """What a resume at step `start` with another --max-steps or schedule does to the rates (one
+    line): the steps the run had planned whose rate changes, and the steps added. `before`: the
+    saved run's [train] table (runs saved before --lr-schedule: cosine over their max_steps)."""
     t, peak = cfg.train, peak_lr(cfg.train)
     old_steps = before.get("max_steps") or t.max_steps
-    old = dataclasses.replace(cfg, train=dataclasses.replace(t, lr_decay_steps=before.get("lr_decay_steps") or 0))
+    old = dataclasses.replace(cfg, train=dataclasses.replace(t, lr_schedule=before.get("lr_schedule", "cosine"),
+                                                             lr_decay_steps=before.get("lr_decay_steps") or 0))
     planned = range(start, min(old_steps, t.max_steps))
     moved = [s for s in planned if not math.isclose(lr_at(s, peak, old, old_steps), lr_at(s, peak, cfg, t.max_steps))]
     if moved:
@@ -1781,8 +1783,8 @@ def flight_recorder_dumps():
 # seams' sections (model, data) but those their dataclass lists in RESUME_FREE. Other changes
 # (logging, max_steps, FSDP knobs, world size) are allowed and logged.
 RESUME_FIXED = {"fsdp": set(), "checkpoint": set(),
-                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_schedule",
-                          "lr_scale_base_batch", "weight_decay", "beta1", "beta2", "grad_clip"}}
+                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
+                          "weight_decay", "beta1", "beta2", "grad_clip"}}
 
 
 def config_changes(old, cfg):
@@ -1853,7 +1855,7 @@ def prepare_run_dir(cfg, rank):
                                f"({'; '.join(refused)}); resuming would silently change it: choose another "
                                "directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
-            if resume and any(line.startswith(("train.max_steps", "train.lr_decay_steps")) for line in allowed):
+            if resume and any(line.startswith(("train.max_steps", "train.lr_")) for line in allowed):
                 notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
         os.makedirs(run_dir, exist_ok=True)
         if flight_recorder_dumps():  # the flight recorder's dumps need their directory
