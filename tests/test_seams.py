@@ -394,17 +394,32 @@ def test_seam_settings_are_flags_toml_keys_and_refuse_a_clash(repo, tmp_path):
         train_fsdp.parse_config([], train_fsdp.Config(model=Clash(), data=train_fsdp.NoSettings()))
 
 
+def test_a_resume_refuses_a_changed_seam_setting(repo, group, tmp_path):
+    model_lib = repo_module(repo, "model")
+
+    def config(*argv):
+        cfg = train_fsdp.parse_config(["--out-dir", str(tmp_path), "--max-steps", "8", *argv],
+                                      train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
+        return cfg
+    train_fsdp.prepare_run_dir(config(), 0)
+    assert json.loads((tmp_path / "config.json").read_text())["model"]["n_embd"] == 32
+    with pytest.raises(train_fsdp.BadInput, match=r"model\.n_embd: 32 -> 48"):
+        train_fsdp.prepare_run_dir(config("--n-embd", "48"), 0)
+    _, notes = train_fsdp.prepare_run_dir(config("--log-every", "3"), 0)  # the trainer's may change
+    assert notes == ["changed on resume: train.log_every: 10 -> 3"]
+
+
 def test_schedules():
     """cosine: decays to the floor at --lr-decay-steps, then stays; wsd: the peak, then a linear
     decay over the last --lr-decay-steps steps of the run."""
-    cfg = train_fsdp.parse_config(["--warmup-steps", "2", "--lr-decay-steps", "10", "--min-lr-ratio", "0.1"])
+    cfg = train_fsdp.parse_config(["--lr", "1", "--warmup-steps", "2", "--lr-decay-steps", "10"])  # floor 0.1
     rates = [train_fsdp.lr_at(s, 1.0, cfg, 20) for s in range(20)]
     assert rates[:2] == [0.5, 1.0] and rates[9] == pytest.approx(0.1) and rates[9:] == [rates[9]] * 11
     cfg.train.lr_schedule, cfg.train.lr_decay_steps = "wsd", 4
     rates = [train_fsdp.lr_at(s, 1.0, cfg, 20) for s in range(20)]
     assert rates[2:16] == [1.0] * 14 and rates[16:] == pytest.approx([0.775, 0.55, 0.325, 0.1])
     cfg.train.max_steps = 30
-    note = train_fsdp.schedule_change(cfg, {"max_steps": 20, "lr_decay_steps": 4}, start=10)
+    note = train_fsdp.schedule_change(cfg, {"max_steps": 20, "lr_schedule": "wsd", "lr_decay_steps": 4}, start=10)
     assert note == ("learning rate (wsd, lr_decay_steps 4): steps 17-20 of the plan change rate (step 17: 7.75e-01 "
                     "-> 1.00e+00); steps 21-30 are added, at 1.00e+00 to 1.00e-01")
 
