@@ -17,7 +17,8 @@ from test_distributed import assert_same, launch  # noqa: E402
 
 
 def test_lr_warmup_then_cosine_to_min():
-    cfg = SimpleNamespace(train=SimpleNamespace(warmup_steps=10, min_lr_ratio=0.1))
+    cfg = SimpleNamespace(train=SimpleNamespace(warmup_steps=10, min_lr_ratio=0.1, lr_schedule="cosine",
+                                                lr_decay_steps=0))  # 0: the decay ends at the last step
     lrs = [train_fsdp.lr_at(s, 1.0, cfg, 111) for s in range(111)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))          # rising in warmup
