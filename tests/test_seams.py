@@ -187,6 +187,7 @@ lr = 1e-2
 warmup_steps = 2
 [fsdp]
 param_dtype = "fp32"
+auto_wrap = "module"
 '''
 
 
@@ -272,7 +273,7 @@ def test_export_loads_into_the_repos_model(repo, plain):
     assert res.returncode == 0, res.stderr[-3000:]
     model_lib, data_lib = repo_module(repo, "model"), repo_module(repo / "data", "tokens")
     for ckpt in (step4, run_dir / "checkpoints" / "step_0000008"):
-        payload = torch.load(ckpt / "model.pt")  # plain torch.load, no trainer
+        payload = torch.load(ckpt / "model.pt", weights_only=True)  # plain torch.load, no trainer
         model = model_lib.GPT(model_lib.GPTConfig(**payload["config"]["model"]))
         model.load_state_dict(payload["model"])  # strict
         assert model.wte.weight is model.lm_head.weight
@@ -325,7 +326,7 @@ def test_meta_init_keeps_the_tie_and_refuses_an_uninitialised_module(repo):
     two = launch(repo, ["--strategy", "fsdp", "--meta-init", "--out-dir", "meta2"], nproc=2)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-3000:])
     same([r["loss"] for r in records(repo / "meta2")], [r["loss"] for r in records(repo / "meta1")])
-    state = torch.load(repo / "meta2" / "checkpoints" / "step_0000008" / "model.pt")["model"]
+    state = torch.load(repo / "meta2" / "checkpoints" / "step_0000008" / "model.pt", weights_only=True)["model"]
     assert torch.equal(state["wte.weight"], state["lm_head.weight"])
     bad = launch(repo, ["--strategy", "none", "--meta-init", "--norm", "rms", "--out-dir", "bad"])
     assert bad.returncode == train_fsdp.EXIT_BAD_INPUT, bad.stderr[-2000:]
@@ -360,7 +361,7 @@ def group():
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "ddp", "none"])
 def test_tied_parameters_stay_shared(repo, group, strategy, meta):
     model_lib = repo_module(repo, "model")
-    cfg = train_fsdp.parse_config(["--strategy", strategy] + ["--meta-init"] * meta,
+    cfg = train_fsdp.parse_config(["--strategy", strategy, "--auto-wrap", "module"] + ["--meta-init"] * meta,
                                   train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
     topo = train_fsdp.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                                backend="gloo", mesh=None)
