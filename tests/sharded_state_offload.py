@@ -99,6 +99,7 @@ def main():
     if dist.get_rank() == 0:
         print(f"OK {len(plain)} tensors")
     dist.destroy_process_group()
+    train_fsdp.leave(0)  # not the interpreter's teardown: gloo's threads can abort it (see leave())
 
 
 if __name__ == "__main__":
