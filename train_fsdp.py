@@ -327,6 +327,8 @@ class BatchSource(typing.Protocol):
     vocab_size: int  # token ids are below it (a model config's resolve(data) may read it)
     n_val: int  # validation rows
     tokenizer_path: str  # saved with every checkpoint, for sampling; "" when there is none
+    # Optional: digests, {source: digest} of what the rows are made from (corpus files, tokenizer),
+    # saved with every checkpoint; a resume refuses changed ones (data.Dataset has them for text).
 
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
         """(x, y): rows [start, start + count) of training step `step`'s global batch."""
@@ -1171,12 +1173,13 @@ def staging_path(path):
     return os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
 
 
-def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None):
+def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None, digests=None):
     """What meta.json holds besides the file sizes (publish_checkpoint adds those). `val_loss`:
-    the validation loss of this very step, when it was evaluated (what --keep-best compares)."""
+    the validation loss of this very step, when it was evaluated (what --keep-best compares);
+    `digests`: the data's (BatchSource), which a resume compares."""
     return {"step": step, "tokens_seen": tokens_seen, "type": cfg.checkpoint.checkpoint_type, "world_size": world,
             "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss}
+            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss, "data": digests}
 
 
 def consolidated_payload(state, meta):
@@ -1802,10 +1805,20 @@ def config_changes(old, cfg):
     return refused, allowed
 
 
-def prepare_run_dir(cfg, rank):
+def data_changes(old, new):
+    """'data: SOURCE changed' (added, removed) for each difference between the data digests of a
+    checkpoint and of this run (BatchSource.digests); none when either has none."""
+    if old is None or new is None:
+        return []
+    return ([f"data: {k} changed" for k in new if k in old and new[k] != old[k]] +
+            [f"data: {k} added" for k in new if k not in old] + [f"data: {k} removed" for k in old if k not in new])
+
+
+def prepare_run_dir(cfg, rank, digests=None):
     """Create the run directory (--out-dir) and decide what to resume from. Returns (checkpoint
     to resume or None, notes to log). A run directory that holds a run is continued
-    (--resume auto) when the config matches, refused otherwise, restarted with --overwrite."""
+    (--resume auto) when the config and the data (`digests`) match, refused otherwise,
+    restarted with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
 
     def decide():
@@ -1850,10 +1863,12 @@ def prepare_run_dir(cfg, rank):
             (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
         if old is not None:
             refused, allowed = config_changes(old, cfg)
-            if refused:
-                raise BadInput(f"--out-dir {run_dir} already holds a run with another config "
-                               f"({'; '.join(refused)}); resuming would silently change it: choose another "
-                               "directory or pass --overwrite")
+            changed = data_changes(meta.get("data") if meta else None, digests)
+            other = " and ".join(w for w, lines in (("another config", refused), ("other data", changed)) if lines)
+            if other:
+                raise BadInput(f"--out-dir {run_dir} already holds a run with {other} "
+                               f"({'; '.join(refused + changed)}); resuming would silently change it: choose "
+                               "another directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
             if resume and any(line.startswith(("train.max_steps", "train.lr_")) for line in allowed):
                 notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
@@ -2490,7 +2505,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
     dist.all_gather_object(params["per_rank"], local_parameter_count(model))
-    resume, notes = prepare_run_dir(cfg, rank)
+    resume, notes = prepare_run_dir(cfg, rank, getattr(data, "digests", None))
     run_dir, log = t.out_dir, RunLog(t.out_dir, rank)
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -2567,7 +2582,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 t0 = time.perf_counter()
                 pending = finish_background_save(pending, c, topo, log, wait=True)  # one at a time, in order
                 meta = checkpoint_meta(cfg, step + 1, tokens_seen, data.tokenizer_path, scaler, topo.world,
-                                       val_loss=val["loss"] if evaluated == step + 1 else None)
+                                       val_loss=val["loss"] if evaluated == step + 1 else None,
+                                       digests=getattr(data, "digests", None))
                 path, t1 = checkpoint_path(run_dir, step + 1), time.perf_counter()
                 if c.async_save and not (last or stop.item()):  # a stop or the end: synchronous, below
                     pending = start_async_save(path, meta, model, optimizer, topo, saver)

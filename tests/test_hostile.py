@@ -10,6 +10,10 @@
   7. sample.py: one `error:` line for bad types and values (--temperature < 0), exit 2
   8. --resume PATH that does not exist names --resume
 
+Issue 24, a second try-out:
+
+  9. a corpus edited, or a file added to a directory corpus, after a run: its resume is refused
+
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
 """
@@ -308,3 +312,29 @@ def test_resume_from_a_missing_path_names_resume(refusals):
     assert line.startswith(f"error: --resume {tmp / 'other'}: no such directory; valid: auto, never or a "
                            "checkpoint directory"), line
     assert not (tmp / "res").exists()
+
+
+# =============================================================================================
+# 9. The data changed under a run
+
+
+def test_a_resume_on_changed_data_is_refused_with_a_list(tmp_path):
+    """A run on a directory corpus (character tokenizer); then its file is edited (the same
+    characters, other counts: the retrained tokenizer has the same size and other ids) and a file
+    is added. The same command is refused, naming each change, and writes nothing."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = english(200)
+    (corpus / "a.txt").write_text(text)
+    args = ONE + ["--dataset", corpus, "--tokenizer-type", "char", "--seq-len", "16", "--out-dir", tmp_path / "run",
+                  "--cache-dir", tmp_path / "cache"]
+    proc = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (corpus / "a.txt").write_text(text.replace("the", "eee"))  # sed -i s/the/eee/g
+    (corpus / "b.txt").write_text(text[:2000])
+    before = snapshot(tmp_path / "run")
+    line = error_line(cli(args), train_fsdp.EXIT_BAD_INPUT, alone=True)
+    assert f"--out-dir {tmp_path / 'run'} already holds a run with other data (" in line, line
+    for change in (f"corpus {corpus / 'a.txt'} changed", f"corpus {corpus / 'b.txt'} added", "tokenizer changed"):
+        assert f"data: {change}" in line, line
+    assert snapshot(tmp_path / "run") == before  # nothing written
