@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import functools
 import importlib
 import itertools
@@ -38,6 +39,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
 import tomllib
@@ -250,6 +252,7 @@ STOPPED_FILE = "stopped.json"  # in the run directory after an exit with code 3;
 # save only the transient gather of one block's weights, under 200 MB of bf16 here, and cost host
 # time per unit per step (10.7M parameters on one H200: 44 ms a step in 13 units, 25 ms in one).
 ONE_UNIT_BELOW = 100_000_000
+RUN_LOCK = "run.lock"  # in the run directory: locked by rank 0 while a run writes there, naming its process
 FR_ENTRIES = 2000  # collectives each rank's flight recorder keeps (--debug; slurm_submit.sh sets its own)
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
@@ -1814,11 +1817,61 @@ def data_changes(old, new):
             [f"data: {k} added" for k in new if k not in old] + [f"data: {k} removed" for k in old if k not in new])
 
 
+def lock_run_dir(run_dir, notes):
+    """Rank 0 locks RUN_DIR/run.lock (flock) for the run's lifetime, so that a run directory has
+    one writer: a second launch into it is refused, naming the holder written inside. The kernel
+    drops the lock when its process ends, however it ends: a killed run's lock never blocks a
+    resume. Returns (the open lock file, or None on a file system without locks (said in
+    `notes`), undo: restores what this call changed, for a launch refused afterwards)."""
+    missing, d = [], os.path.abspath(run_dir)
+    while not os.path.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, RUN_LOCK)
+    new, fh = not os.path.exists(path), open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise BadInput(f"--out-dir {run_dir} is in use by {holder}: a run directory takes one run at a time; wait "
+                       "for it to end or stop it, or choose another --out-dir")
+    except OSError as e:  # e.g. Lustre mounted without flock
+        fh.close()
+        fh = None
+        notes.append(f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not be refused")
+
+    def rewrite(text):
+        fh.seek(0)
+        fh.truncate()
+        fh.write(text)
+        fh.flush()
+    before = ""
+    if fh:
+        fh.seek(0)
+        before = fh.read()
+        rewrite(f"host {socket.gethostname()} pid {os.getpid()}\n")
+
+    def undo():
+        with contextlib.suppress(OSError):
+            if new:
+                os.remove(path)
+            elif fh:
+                rewrite(before)
+            for d in missing:
+                os.rmdir(d)
+        if fh:
+            fh.close()
+    return fh, undo
+
+
 def prepare_run_dir(cfg, rank, digests=None):
-    """Create the run directory (--out-dir) and decide what to resume from. Returns (checkpoint
-    to resume or None, notes to log). A run directory that holds a run is continued
-    (--resume auto) when the config and the data (`digests`) match, refused otherwise,
-    restarted with --overwrite."""
+    """Lock the run directory (--out-dir; lock_run_dir), create it and decide what to resume from.
+    Returns (checkpoint to resume or None, notes to log, the lock on rank 0). A run directory
+    that holds a run is continued (--resume auto) when the config and the data (`digests`)
+    match, refused otherwise, restarted with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
 
     def decide():
@@ -1887,8 +1940,20 @@ def prepare_run_dir(cfg, rank, digests=None):
         write_text_atomic(config_path, json.dumps(dataclasses.asdict(cfg), indent=2))
         return resume, notes, t.lr_decay_steps
 
-    resume, notes, cfg.train.lr_decay_steps = agree(decide, rank)  # decided on rank 0
-    return resume, notes
+    held = {}
+
+    def locked_decide():
+        notes = []
+        lock, undo = lock_run_dir(run_dir, notes)
+        try:
+            resume, more, decay_steps = decide()
+        except BaseException:
+            undo()
+            raise
+        held["lock"] = lock
+        return resume, notes + more, decay_steps
+    resume, notes, cfg.train.lr_decay_steps = agree(locked_decide, rank)  # decided on rank 0
+    return resume, notes, held.get("lock")
 
 
 def keep_metric_lines(path, last_step):
@@ -2505,7 +2570,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
     dist.all_gather_object(params["per_rank"], local_parameter_count(model))
-    resume, notes = prepare_run_dir(cfg, rank, getattr(data, "digests", None))
+    resume, notes, lock = prepare_run_dir(cfg, rank, getattr(data, "digests", None))
     run_dir, log = t.out_dir, RunLog(t.out_dir, rank)
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -2610,6 +2675,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
     dist.barrier()
+    if lock:
+        lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:
         dist.destroy_process_group()
     return val

@@ -13,6 +13,8 @@
 Issue 24, a second try-out:
 
   9. a corpus edited, or a file added to a directory corpus, after a run: its resume is refused
+ 10. a second launch into a run directory in use is refused, naming the holder; once the holder is
+     killed, the same command resumes
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -23,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -338,3 +341,35 @@ def test_a_resume_on_changed_data_is_refused_with_a_list(tmp_path):
     for change in (f"corpus {corpus / 'a.txt'} changed", f"corpus {corpus / 'b.txt'} added", "tokenizer changed"):
         assert f"data: {change}" in line, line
     assert snapshot(tmp_path / "run") == before  # nothing written
+
+
+# =============================================================================================
+# 10. One writer per run directory
+
+
+def test_a_second_launch_into_a_run_directory_in_use_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    args = TINY + ["--strategy", "none", "--max-steps", "100000", "--save-every", "5", "--out-dir", run_dir,
+                   "--cache-dir", tmp_path / "cache"]
+    first = subprocess.Popen([sys.executable, "train_fsdp.py", *map(str, args)], cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while n_loss_records(run_dir) < 10:  # training, with a checkpoint saved
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        config = (run_dir / "config.json").stat().st_mtime_ns
+        line = error_line(cli(args), train_fsdp.EXIT_BAD_INPUT, alone=True)
+        holder = f"host {socket.gethostname()} pid {first.pid}"
+        assert line == (f"error: --out-dir {run_dir} is in use by {holder}: a run directory takes one run at a time; "
+                        "wait for it to end or stop it, or choose another --out-dir"), line
+        assert first.poll() is None  # the first run trains on, its files untouched by the second launch
+        assert (run_dir / "config.json").stat().st_mtime_ns == config
+        assert (run_dir / "run.lock").read_text() == holder + "\n"
+    finally:
+        first.kill()
+        first.wait()
+    # Killed, the first run holds nothing: the same command (ending sooner) resumes its checkpoint.
+    proc = cli(args + ["--max-steps", "5"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout, proc.stdout[-3000:]
