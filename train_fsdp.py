@@ -1263,18 +1263,24 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
         write_rng_state(tmp, rank)
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
-        error = error_text(e, rank)
+        error = error_text(e, rank, tmp)
     stop_if_save_failed(error, path, meta, topo)
     return publish_everywhere(path, meta, c, topo)
 
 
-def error_text(e, rank):
-    """`rank R: Type: message` of an exception raised on `rank`. DCP's CheckpointException names
-    only the failing ranks in its first line: the cause (e.g. OSError: No space left on device) is
-    the first failing rank's own error, which every rank receives."""
+def error_text(e, rank, path=None):
+    """`rank R: Type: message` of an exception raised on `rank` (writing into `path`). DCP's
+    CheckpointException names only the failing ranks in its first line: the cause (e.g. OSError: No
+    space left on device) is the first failing rank's own error, which every rank receives. A write
+    that fails inside torch.save reads "unexpected pos" instead (the OSError, its context, stays on
+    the rank that wrote): a file system of `path` left with no space is then named."""
     if isinstance(e, CheckpointException) and e.failures:
         rank, (e, _) = next(iter(e.failures.items()))
-    return f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+    text = f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+    free = shutil.disk_usage(path).free if path and os.path.exists(path) else None
+    if not isinstance(e, OSError) and free is not None and free < 2 ** 20:
+        text += f" (its file system is full: {free:,} bytes free)"
+    return text
 
 
 def save_failed(meta, error):
@@ -1372,7 +1378,7 @@ def start_async_save(path, meta, model, optimizer, topo, saver):
         future = getattr(future, "upload_completion", future)
         write_rng_state(tmp, topo.rank)
     except (Exception, CheckpointException) as e:
-        error = error_text(e, topo.rank)
+        error = error_text(e, topo.rank, tmp)
     stop_if_save_failed(error, path, meta, topo)
     return PendingSave(path, meta, future, time.perf_counter())
 
@@ -1385,7 +1391,7 @@ def async_save_done(pending, topo, wait=False):
         pending.future.exception()  # blocks until the write has ended, whatever its outcome
     done = pending.future.done()
     e = pending.future.exception() if done else None
-    error = error_text(e, topo.rank) if e is not None else None
+    error = error_text(e, topo.rank, staging_path(pending.path)) if e is not None else None
     flags = torch.tensor([int(not done), int(error is not None)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topo.control)
     if flags[1].item():
@@ -1973,19 +1979,30 @@ def keep_metric_lines(path, last_step):
 
 class RunLog:
     """metrics.jsonl (one JSON object per event), training_log.txt (the same, readable) and the
-    trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl."""
+    trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl. A write to
+    the files that fails (a full disk) is kept in `error`, not raised: rank 0 stopping alone would
+    leave the others waiting in a collective; main() stops every rank on it at the next step."""
 
     def __init__(self, run_dir, rank):
         self.rank, self.trackers, self.sent_step, self.sent_keys = rank, [], None, set()
+        self.error = None
         if rank == 0:
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
             self.text = open(os.path.join(run_dir, "training_log.txt"), "a")
 
+    def write(self, fh, text):
+        if self.error is None:
+            try:
+                fh.write(text)
+                fh.flush()
+            except OSError as e:
+                self.error = f"writing {fh.name} failed on rank 0 ({type(e).__name__}: {e}); the latest checkpoint " \
+                             "is intact"
+
     def line(self, msg):
         if self.rank == 0:
             tqdm.write(msg)
-            self.text.write(msg + "\n")
-            self.text.flush()
+            self.write(self.text, msg + "\n")
 
     def keep_metrics_until(self, step):
         if self.rank == 0:  # keep_metric_lines replaces the file: reopen it
@@ -1999,8 +2016,7 @@ class RunLog:
 
     def metrics(self, record):
         if self.rank == 0:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            self.write(self.jsonl, json.dumps(record) + "\n")
             # The trackers get the floats the record already holds (no extra synchronisation), each
             # key once a step: a validation at a log step repeats its tokens_seen.
             step = record["step"]
@@ -2040,8 +2056,9 @@ class RunLog:
 
     def close(self):
         if self.rank == 0:
-            self.jsonl.close()
-            self.text.close()
+            for fh in (self.jsonl, self.text):
+                with contextlib.suppress(OSError):  # a failed write is in self.error already
+                    fh.close()
 
 
 # Trackers: rank 0 only, opened once the step to continue from is known. Each has a name, log(step,
@@ -2624,8 +2641,11 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 profiler.step()
             if launcher is not None and os.getppid() != launcher:
                 stop_flag["signal"] = LAUNCHER_GONE
-            stop = torch.tensor([stop_flag["signal"]])
+            stop = torch.tensor([stop_flag["signal"], int(log.error is not None)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=topo.control)
+            if stop[1].item():  # rank 0 could not write the log (a full disk): every rank stops
+                raise RunFailed(log.error or "rank 0 could not write the run's log")
+            stop = stop[:1]
             last = step == plan.max_steps - 1
             if (step + 1) % t.log_every == 0 or last:
                 check_finite(first_bad)
@@ -2666,6 +2686,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     finally:
         if pending:  # stopped by an error: let the write end before the process groups are destroyed
             pending.future.exception()
+            if rank == 0:  # and leave no staging directory
+                shutil.rmtree(staging_path(pending.path), ignore_errors=True)
         bar.close()
         log.close_trackers()
         if profiler:
@@ -2674,7 +2696,9 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             signal.signal(sig, handler)
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
-    dist.barrier()
+    error = any_rank_error(log.error, topo)  # also the barrier: every rank has ended the run
+    if error:
+        raise RunFailed(error)
     if lock:
         lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:

@@ -15,6 +15,8 @@ Issue 24, a second try-out:
   9. a corpus edited, or a file added to a directory corpus, after a run: its resume is refused
  10. a second launch into a run directory in use is refused, naming the holder; once the holder is
      killed, the same command resumes
+ 11. a disk that fills during a background save: one line naming it, exit 1 on every rank, the
+     latest checkpoint intact and no staging directory left
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -23,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_checkpoint import cli, error_line, n_loss_records, snapshot  # noqa: E402
+from test_checkpoint import Workers, cli, error_line, latest_name, leftovers, n_loss_records, snapshot  # noqa: E402
 from test_data import english  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 
@@ -373,3 +376,74 @@ def test_a_second_launch_into_a_run_directory_in_use_is_refused(tmp_path):
     proc = cli(args + ["--max-steps", "5"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout, proc.stdout[-3000:]
+
+
+# =============================================================================================
+# 11. The disk fills during a background save
+
+# A stub of a disk that fills: once the save of step 10 has begun, the writes of this process
+# into RUN_DIR (or RUN_DIR/checkpoints) have `space` bytes left, then fail as on a full disk, whose
+# file system has no space left. (Files torch.save writes by name are written in C++, unseen by
+# the stub: the RNG states.)
+FULL_DISK = """
+import builtins, errno, io, os, shutil, sys
+sys.path.insert(0, {root!r})
+run_dir = os.path.abspath(sys.argv[sys.argv.index("--out-dir") + 1])
+full_under = os.path.join(run_dir, {under!r})
+left, real_open, real_usage = [None], io.open, shutil.disk_usage
+def space_left():  # None until the save of step 10 begins
+    if left[0] is None and os.path.exists(os.path.join(run_dir, "checkpoints", ".tmp-step_0000010")):
+        left[0] = {space}
+    return left[0]
+class FullDisk:
+    def __init__(self, f):
+        self.f = f
+    def write(self, data):
+        size = len(data) if isinstance(data, str) else memoryview(data).nbytes
+        if space_left() is not None:
+            if size > left[0]:
+                left[0] = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left[0] -= size
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+def full_open(file, mode="r", *args, **kw):
+    f = real_open(file, mode, *args, **kw)
+    named = isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(full_under)
+    return FullDisk(f) if named and set(mode) & set("wax+") else f
+def disk_usage(path):
+    return real_usage(path) if space_left() is None else real_usage(path)._replace(free=left[0])
+builtins.open = io.open = full_open
+shutil.disk_usage = disk_usage
+sys.argv[0] = "train_fsdp.py"
+import train_fsdp
+train_fsdp.run()
+"""
+
+
+@pytest.mark.parametrize("under, space, message", [
+    ("", 0, r"error: writing \S+/(metrics\.jsonl|training_log\.txt) failed on rank 0 \(OSError: \[Errno 28\] No "
+            r"space left on device\); the latest checkpoint is intact"),
+    ("checkpoints", 2048, r"error: saving the checkpoint of step 10 failed \(rank \d: RuntimeError: .* unexpected "
+                          r"pos \d+ vs \d+ \(its file system is full: 0 bytes free\)\); the previous checkpoint is "
+                          r"intact")], ids=["log", "save"])
+def test_a_disk_full_during_a_background_save_stops_every_rank_with_one_line(tmp_path, under, space, message):
+    """The disk fills while step 10 is written in the background: with `under` "", the run's log
+    fails first (the issue's rank 0 traceback in the metrics flush); with "checkpoints", the save."""
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(FULL_DISK.format(root=ROOT, under=under, space=space))
+    run_dir = tmp_path / "run"
+    args = TINY + ["--max-steps", "30", "--save-every", "5", "--async-save", "--out-dir", run_dir,
+                   "--cache-dir", tmp_path / "cache"]
+    workers = Workers(2, args, str(tmp_path / "log"), script=wrapper)
+    assert workers.wait(timeout=120) == [train_fsdp.EXIT_FAILED] * 2, workers.output()
+    assert not any("Traceback" in workers.stderr(rank) for rank in (0, 1)), workers.output()
+    errors = [line for line in workers.stderr(0).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(message, errors[0]), workers.output()
+    assert latest_name(run_dir) == "step_0000005" and not leftovers(run_dir)
+    assert train_fsdp.check_checkpoint(str(run_dir / "checkpoints" / "step_0000005"))["step"] == 5
