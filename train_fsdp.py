@@ -1679,8 +1679,15 @@ def load_resume_checkpoint(path, model, optimizer, scaler, cfg, topo, log):
 
 def checkpoint_weights(path):
     """(kind, location) of the weights of a run dir, a step dir (or RUN/checkpoints/best or
-    latest) or a model.pt, for --init-from."""
+    latest) or a model.pt, for --init-from. A checkpoint (a directory with meta.json) must pass
+    the size check of a resume: a damaged one is reported before anything is written."""
     path = follow_marker(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isfile(os.path.join(folder, "meta.json")):
+        try:
+            check_checkpoint(folder)
+        except RunFailed as e:
+            raise BadInput(f"--init-from {path}: {e}")
     if os.path.isfile(path):
         return "full", path
     if os.path.isdir(os.path.join(path, "checkpoints")):

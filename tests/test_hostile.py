@@ -17,6 +17,7 @@ Issue 24, a second try-out:
      killed, the same command resumes
  11. a disk that fills during a background save: one line naming it, exit 1 on every rank, the
      latest checkpoint intact and no staging directory left
+ 12. --init-from a damaged checkpoint: the size check of a resume, before anything is written
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -86,6 +87,13 @@ def refusals(run, tmp_path_factory):
     (tmp / "bad.model").write_text("hello, I am not a model\n")
     jobs["tokenizer"] = lambda: cli(ONE + ["--dataset", tmp / "corpus.txt", "--tokenizer", tmp / "bad.model",
                                            "--out-dir", tmp / "tok", "--cache-dir", tmp / "c2"])
+    init = shutil.copytree(run, tmp / "init_src")
+    shard = os.path.join(init, "checkpoints", "step_0000001", "dcp", "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) // 5)
+    with open(os.path.join(init, "checkpoints", "best"), "w") as fh:
+        fh.write("step_0000001\n")
+    jobs["init_damaged"] = lambda: cli(ONE + ["--init-from", os.path.join(init, "checkpoints", "best"),
+                                              "--out-dir", tmp / "init", "--cache-dir", tmp / "c4"])
     jobs["resume_missing"] = lambda: cli(ONE + ["--resume", tmp / "other", "--out-dir", tmp / "res",
                                                 "--cache-dir", tmp / "c3"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -447,3 +455,16 @@ def test_a_disk_full_during_a_background_save_stops_every_rank_with_one_line(tmp
     assert len(errors) == 1 and re.fullmatch(message, errors[0]), workers.output()
     assert latest_name(run_dir) == "step_0000005" and not leftovers(run_dir)
     assert train_fsdp.check_checkpoint(str(run_dir / "checkpoints" / "step_0000005"))["step"] == 5
+
+
+# =============================================================================================
+# 12. --init-from a damaged checkpoint
+
+
+def test_init_from_a_damaged_checkpoint_is_refused_before_anything_is_written(refusals):
+    results, tmp = refusals
+    line = error_line(results["init_damaged"], train_fsdp.EXIT_BAD_INPUT, alone=True)
+    step = tmp / "init_src" / "checkpoints" / "step_0000001"
+    assert line.startswith(f"error: --init-from {step}: checkpoint {step} is incomplete or corrupted: "
+                           "dcp/__0_0.distcp has "), line
+    assert not (tmp / "init").exists()
