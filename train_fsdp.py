@@ -1770,6 +1770,12 @@ def export_checkpoint(path):
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
+    # meta.json lists model.pt's size too (a damaged one is then found like any file of the checkpoint),
+    # and keeps its mtime: the save's, by which complete_checkpoints orders the checkpoints.
+    meta_path, saved = os.path.join(path, "meta.json"), os.stat(os.path.join(path, "meta.json"))
+    meta["files"]["model.pt"] = os.path.getsize(os.path.join(path, "model.pt"))
+    write_text_atomic(meta_path, json.dumps(meta, indent=1))
+    os.utime(meta_path, ns=(saved.st_atime_ns, saved.st_mtime_ns))
     print(f"wrote {os.path.join(path, 'model.pt')}")
     return os.path.join(path, "model.pt")
 

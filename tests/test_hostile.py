@@ -18,6 +18,7 @@ Issue 24, a second try-out:
  11. a disk that fills during a background save: one line naming it, exit 1 on every rank, the
      latest checkpoint intact and no staging directory left
  12. --init-from a damaged checkpoint: the size check of a resume, before anything is written
+ 13. sample.py on a damaged model.pt that --export wrote: one line; the export records its size
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -468,3 +469,26 @@ def test_init_from_a_damaged_checkpoint_is_refused_before_anything_is_written(re
     assert line.startswith(f"error: --init-from {step}: checkpoint {step} is incomplete or corrupted: "
                            "dcp/__0_0.distcp has "), line
     assert not (tmp / "init").exists()
+
+
+# =============================================================================================
+# 13. A damaged export
+
+
+def test_sample_on_a_damaged_export_is_one_line_and_the_export_records_its_size(run, tmp_path, capsys):
+    step = shutil.copytree(os.path.join(run, "checkpoints", "step_0000001"), tmp_path / "step_0000001")
+    saved = os.stat(step / "meta.json").st_mtime_ns
+    model_pt = train_fsdp.export_checkpoint(str(step))
+    # meta.json lists model.pt's size (its mtime, by which checkpoints are ordered, unchanged)
+    assert train_fsdp.check_checkpoint(str(step))["files"]["model.pt"] == os.path.getsize(model_pt)
+    assert os.stat(step / "meta.json").st_mtime_ns == saved
+    os.truncate(model_pt, os.path.getsize(model_pt) // 5)
+    with pytest.raises(train_fsdp.RunFailed, match=r"model\.pt has \d+ bytes, \d+ expected"):
+        train_fsdp.check_checkpoint(str(step))  # what --init-from, --resume and --export see now
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--ckpt", str(step), "--device", "cpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --ckpt {model_pt} cannot be read ("), err
+    assert "the checkpoint is damaged" in err, err
