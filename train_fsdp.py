@@ -1937,6 +1937,10 @@ def prepare_run_dir(cfg, rank, digests=None):
             refused, allowed = config_changes(old, cfg)
             changed = data_changes(meta.get("data") if meta else None, digests)
             other = " and ".join(w for w, lines in (("another config", refused), ("other data", changed)) if lines)
+            if other and c.resume not in ("auto", "never"):  # --resume PATH: the run is that checkpoint's
+                raise BadInput(f"--resume {c.resume} was saved with {other} ({'; '.join(refused + changed)}); "
+                               "resuming would silently change its run: resume it with its own settings, or start "
+                               "a new run from its weights with --init-from")
             if other:
                 raise BadInput(f"--out-dir {run_dir} already holds a run with {other} "
                                f"({'; '.join(refused + changed)}); resuming would silently change it: choose "

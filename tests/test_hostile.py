@@ -19,6 +19,7 @@ Issue 24, a second try-out:
      latest checkpoint intact and no staging directory left
  12. --init-from a damaged checkpoint: the size check of a resume, before anything is written
  13. sample.py on a damaged model.pt that --export wrote: one line; the export records its size
+ 14. --resume CHECKPOINT with another config names that checkpoint and what differs
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -95,6 +96,8 @@ def refusals(run, tmp_path_factory):
         fh.write("step_0000001\n")
     jobs["init_damaged"] = lambda: cli(ONE + ["--init-from", os.path.join(init, "checkpoints", "best"),
                                               "--out-dir", tmp / "init", "--cache-dir", tmp / "c4"])
+    jobs["resume_other"] = lambda: cli(ONE + ["--resume", os.path.join(run, "checkpoints", "step_0000001"),
+                                              "--n-layer", "4", "--out-dir", tmp / "new1", "--cache-dir", tmp / "c5"])
     jobs["resume_missing"] = lambda: cli(ONE + ["--resume", tmp / "other", "--out-dir", tmp / "res",
                                                 "--cache-dir", tmp / "c3"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -492,3 +495,17 @@ def test_sample_on_a_damaged_export_is_one_line_and_the_export_records_its_size(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(f"error: --ckpt {model_pt} cannot be read ("), err
     assert "the checkpoint is damaged" in err, err
+
+
+# =============================================================================================
+# 14. --resume CHECKPOINT with another config
+
+
+def test_resume_of_a_checkpoint_with_another_config_names_the_checkpoint(run, refusals):
+    results, tmp = refusals
+    line = error_line(results["resume_other"], train_fsdp.EXIT_BAD_INPUT, alone=True)
+    step = os.path.join(run, "checkpoints", "step_0000001")
+    assert line == (f"error: --resume {step} was saved with another config (model.n_layer: 2 -> 4); resuming would "
+                    "silently change its run: resume it with its own settings, or start a new run from its weights "
+                    "with --init-from"), line
+    assert not (tmp / "new1").exists()
