@@ -1425,23 +1425,24 @@ def follow_marker(path):
 
 def mark_best(root, keep_best):
     """checkpoints/best names the complete checkpoint of lowest validation loss (meta.json's
-    val_loss; ties: the earlier step), written atomically like `latest`; without --keep-best it is
-    removed (nothing would keep the checkpoint it names). Returns that name, or None."""
+    val_loss; ties: the earlier step) among those that pass check_checkpoint (a damaged best gives
+    way, said), written atomically like `latest`; without --keep-best, or with no such checkpoint,
+    it is removed (nothing would keep the checkpoint it names). Returns that name, or None."""
     marker = os.path.join(root, "best")
-    if not keep_best:
-        if os.path.exists(marker):
-            os.remove(marker)
-        return None
+    previous = os.path.basename(follow_marker(marker)) if os.path.isfile(marker) else None
     scored = []
-    for name in complete_checkpoints(root):
+    for name in complete_checkpoints(root) if keep_best else []:
         try:
-            with open(os.path.join(root, name, "meta.json")) as fh:
-                loss = json.load(fh).get("val_loss")
-        except (OSError, ValueError):
+            loss = check_checkpoint(os.path.join(root, name)).get("val_loss")
+        except RunFailed as e:
+            if name == previous:
+                tqdm.write(f"{e}: {marker} no longer names it")
             continue
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             scored.append((loss, name))
     if not scored:
+        if os.path.exists(marker):
+            os.remove(marker)
         return None
     best = min(scored)[1]
     if follow_marker(marker) != os.path.join(root, best):

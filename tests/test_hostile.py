@@ -20,6 +20,7 @@ Issue 24, a second try-out:
  12. --init-from a damaged checkpoint: the size check of a resume, before anything is written
  13. sample.py on a damaged model.pt that --export wrote: one line; the export records its size
  14. --resume CHECKPOINT with another config names that checkpoint and what differs
+ 15. a damaged best checkpoint is no longer named best at the next save (said)
 
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
@@ -509,3 +510,29 @@ def test_resume_of_a_checkpoint_with_another_config_names_the_checkpoint(run, re
                     "silently change its run: resume it with its own settings, or start a new run from its weights "
                     "with --init-from"), line
     assert not (tmp / "new1").exists()
+
+
+# =============================================================================================
+# 15. A damaged best checkpoint
+
+
+def test_a_damaged_best_checkpoint_gives_way_at_the_next_save(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    cfg = train_fsdp.Config()
+
+    def save(step, val_loss):  # a checkpoint of one file, published as a run's save is
+        tmp = root / f".tmp-step_{step:07d}"
+        tmp.mkdir()
+        (tmp / "rng_rank0.pt").write_bytes(b"x" * 100)
+        meta = train_fsdp.checkpoint_meta(cfg, step, 0, "", None, 1, val_loss=val_loss)
+        train_fsdp.publish_checkpoint(str(root / f"step_{step:07d}"), meta, 2, keep_best=True)
+    save(1, 1.0)
+    save(2, 2.0)
+    assert (root / "best").read_text() == "step_0000001\n"
+    os.truncate(root / "step_0000001" / "rng_rank0.pt", 20)
+    save(3, 3.0)
+    assert (root / "best").read_text() == "step_0000002\n"  # the lowest loss of the intact ones
+    assert f"{root / 'step_0000001'} is incomplete or corrupted: rng_rank0.pt has 20 bytes, 100 expected " \
+        f"(truncated?): {root / 'best'} no longer names it" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == ["best", "latest", "step_0000002", "step_0000003"]  # pruned like any other
