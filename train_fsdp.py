@@ -1949,7 +1949,6 @@ def prepare_run_dir(cfg, rank, digests=None):
             notes += [f"changed on resume: {line}" for line in allowed]
             if resume and any(line.startswith(("train.max_steps", "train.lr_")) for line in allowed):
                 notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
-        os.makedirs(run_dir, exist_ok=True)
         if flight_recorder_dumps():  # the flight recorder's dumps need their directory
             os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
         if os.path.exists(os.path.join(run_dir, STOPPED_FILE)):
