@@ -2713,9 +2713,10 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             signal.signal(sig, handler)
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
-    error = any_rank_error(log.error, topo)  # also the barrier: every rank has ended the run
-    if error:
-        raise RunFailed(error)
+    failed = torch.tensor([int(log.error is not None)])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=topo.control)  # also the barrier: every rank has ended
+    if failed.item():
+        raise RunFailed(log.error or "rank 0 could not write the run's log")
     if lock:
         lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:
