@@ -99,10 +99,14 @@ class Dataset:
     (fixed windows let a model memorise them: issue 16). Epoch 0 is unshifted, so a run of one
     epoch sees every window of the unshifted layout exactly once. A shifted epoch has
     n_shifted rows (n_train, or one fewer when the last window would run past the end).
+
+    `digests` (text): {source: digest} of the corpus files and the tokenizer (data_digests), which a
+    resumed run must find unchanged; None when the config alone fixes the rows (synthetic, random).
     """
 
-    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""), shift_windows=False):
-        self.train_tokens, self.val_tokens = train, val
+    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""), shift_windows=False,
+                 digests=None):
+        self.train_tokens, self.val_tokens, self.digests = train, val, digests
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
         self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
@@ -294,6 +298,21 @@ def resolve_inputs(cfg: DataConfig):
     inputs = {"train": [fingerprint(p) for p in train], "val": [fingerprint(p) for p in val],
               "tokenizer": fingerprint(model) if model else None}
     return train, val, model, inputs
+
+
+def data_digests(manifest: dict) -> dict:
+    """{source: digest} of what a cache was built from: each corpus file's sha256 or, beyond the bytes
+    hashed (HASH_LIMIT), its size and mtime (as the cache itself judges a change), and the sha256 of
+    the tokenizer. The same path may come to hold other text, and a retrained tokenizer may give the
+    same ids to other pieces: a resumed run compares these with its checkpoint's."""
+    hashes = manifest.get("sha256", {})
+    files = [("corpus", f) for f in manifest["inputs"]["train"]] + [("validation corpus", f)
+                                                                   for f in manifest["inputs"]["val"]]
+    digests = {f"{kind} {f['path']}": hashes.get(f["path"]) or f"{f['size']} bytes, mtime_ns {f['mtime_ns']}"
+               for kind, f in files}
+    with open(manifest["tokenizer_path"], "rb") as fh:
+        digests["tokenizer"] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return digests
 
 
 def absolute(path: str) -> str:
@@ -565,4 +584,4 @@ def load_data(cfg: DataConfig, seed: int) -> Dataset:
     train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
     sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
     return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]),
-                   shift_windows=True)
+                   shift_windows=True, digests=data_digests(manifest))

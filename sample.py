@@ -58,6 +58,9 @@ def load_model(path, device):
         found = re.search(r"GLOBAL (\S+)", str(e))
         fail(f"refused to load {path}: " + (f"it asks for {found[1]}, which no checkpoint holds (a pickle that can "
                                             "run code)" if found else "not tensors and plain values (damaged?)"))
+    except Exception as e:  # truncated, say (RuntimeError, OSError, ...): torch's own message is a traceback deep
+        fail(f"--ckpt {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}): the checkpoint is "
+             "damaged; export it again, or sample another")
     model = model_lib.build_model(model_lib.ModelConfig(**model_lib.saved_fields(ckpt["config"]["model"])))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt

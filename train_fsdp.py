@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import functools
 import importlib
 import itertools
@@ -38,6 +39,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import sys
 import time
 import tomllib
@@ -250,6 +252,7 @@ STOPPED_FILE = "stopped.json"  # in the run directory after an exit with code 3;
 # save only the transient gather of one block's weights, under 200 MB of bf16 here, and cost host
 # time per unit per step (10.7M parameters on one H200: 44 ms a step in 13 units, 25 ms in one).
 ONE_UNIT_BELOW = 100_000_000
+RUN_LOCK = "run.lock"  # in the run directory: locked by rank 0 while a run writes there, naming its process
 FR_ENTRIES = 2000  # collectives each rank's flight recorder keeps (--debug; slurm_submit.sh sets its own)
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
@@ -327,6 +330,8 @@ class BatchSource(typing.Protocol):
     vocab_size: int  # token ids are below it (a model config's resolve(data) may read it)
     n_val: int  # validation rows
     tokenizer_path: str  # saved with every checkpoint, for sampling; "" when there is none
+    # Optional: digests, {source: digest} of what the rows are made from (corpus files, tokenizer),
+    # saved with every checkpoint; a resume refuses changed ones (data.Dataset has them for text).
 
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
         """(x, y): rows [start, start + count) of training step `step`'s global batch."""
@@ -1171,12 +1176,13 @@ def staging_path(path):
     return os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
 
 
-def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None):
+def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None, digests=None):
     """What meta.json holds besides the file sizes (publish_checkpoint adds those). `val_loss`:
-    the validation loss of this very step, when it was evaluated (what --keep-best compares)."""
+    the validation loss of this very step, when it was evaluated (what --keep-best compares);
+    `digests`: the data's (BatchSource), which a resume compares."""
     return {"step": step, "tokens_seen": tokens_seen, "type": cfg.checkpoint.checkpoint_type, "world_size": world,
             "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss}
+            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss, "data": digests}
 
 
 def consolidated_payload(state, meta):
@@ -1257,18 +1263,24 @@ def save_checkpoint(path, meta, model, optimizer, c, topo, consolidate=False):
         write_rng_state(tmp, rank)
     except (Exception, CheckpointException) as e:  # a full disk on one rank must stop every rank, not
         # hang them (DCP's CheckpointException derives from BaseException, not Exception)
-        error = error_text(e, rank)
+        error = error_text(e, rank, tmp)
     stop_if_save_failed(error, path, meta, topo)
     return publish_everywhere(path, meta, c, topo)
 
 
-def error_text(e, rank):
-    """`rank R: Type: message` of an exception raised on `rank`. DCP's CheckpointException names
-    only the failing ranks in its first line: the cause (e.g. OSError: No space left on device) is
-    the first failing rank's own error, which every rank receives."""
+def error_text(e, rank, path=None):
+    """`rank R: Type: message` of an exception raised on `rank` (writing into `path`). DCP's
+    CheckpointException names only the failing ranks in its first line: the cause (e.g. OSError: No
+    space left on device) is the first failing rank's own error, which every rank receives. A write
+    that fails inside torch.save reads "unexpected pos" instead (the OSError, its context, stays on
+    the rank that wrote): a file system of `path` left with no space is then named."""
     if isinstance(e, CheckpointException) and e.failures:
         rank, (e, _) = next(iter(e.failures.items()))
-    return f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+    text = f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+    free = shutil.disk_usage(path).free if path and os.path.exists(path) else None
+    if not isinstance(e, OSError) and free is not None and free < 2 ** 20:
+        text += f" (its file system is full: {free:,} bytes free)"
+    return text
 
 
 def save_failed(meta, error):
@@ -1366,7 +1378,7 @@ def start_async_save(path, meta, model, optimizer, topo, saver):
         future = getattr(future, "upload_completion", future)
         write_rng_state(tmp, topo.rank)
     except (Exception, CheckpointException) as e:
-        error = error_text(e, topo.rank)
+        error = error_text(e, topo.rank, tmp)
     stop_if_save_failed(error, path, meta, topo)
     return PendingSave(path, meta, future, time.perf_counter())
 
@@ -1379,7 +1391,7 @@ def async_save_done(pending, topo, wait=False):
         pending.future.exception()  # blocks until the write has ended, whatever its outcome
     done = pending.future.done()
     e = pending.future.exception() if done else None
-    error = error_text(e, topo.rank) if e is not None else None
+    error = error_text(e, topo.rank, staging_path(pending.path)) if e is not None else None
     flags = torch.tensor([int(not done), int(error is not None)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topo.control)
     if flags[1].item():
@@ -1413,23 +1425,24 @@ def follow_marker(path):
 
 def mark_best(root, keep_best):
     """checkpoints/best names the complete checkpoint of lowest validation loss (meta.json's
-    val_loss; ties: the earlier step), written atomically like `latest`; without --keep-best it is
-    removed (nothing would keep the checkpoint it names). Returns that name, or None."""
+    val_loss; ties: the earlier step) among those that pass check_checkpoint (a damaged best gives
+    way, said), written atomically like `latest`; without --keep-best, or with no such checkpoint,
+    it is removed (nothing would keep the checkpoint it names). Returns that name, or None."""
     marker = os.path.join(root, "best")
-    if not keep_best:
-        if os.path.exists(marker):
-            os.remove(marker)
-        return None
+    previous = os.path.basename(follow_marker(marker)) if os.path.isfile(marker) else None
     scored = []
-    for name in complete_checkpoints(root):
+    for name in complete_checkpoints(root) if keep_best else []:
         try:
-            with open(os.path.join(root, name, "meta.json")) as fh:
-                loss = json.load(fh).get("val_loss")
-        except (OSError, ValueError):
+            loss = check_checkpoint(os.path.join(root, name)).get("val_loss")
+        except RunFailed as e:
+            if name == previous:
+                tqdm.write(f"{e}: {marker} no longer names it")
             continue
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             scored.append((loss, name))
     if not scored:
+        if os.path.exists(marker):
+            os.remove(marker)
         return None
     best = min(scored)[1]
     if follow_marker(marker) != os.path.join(root, best):
@@ -1667,8 +1680,15 @@ def load_resume_checkpoint(path, model, optimizer, scaler, cfg, topo, log):
 
 def checkpoint_weights(path):
     """(kind, location) of the weights of a run dir, a step dir (or RUN/checkpoints/best or
-    latest) or a model.pt, for --init-from."""
+    latest) or a model.pt, for --init-from. A checkpoint (a directory with meta.json) must pass
+    the size check of a resume: a damaged one is reported before anything is written."""
     path = follow_marker(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isfile(os.path.join(folder, "meta.json")):
+        try:
+            check_checkpoint(folder)
+        except RunFailed as e:
+            raise BadInput(f"--init-from {path}: {e}")
     if os.path.isfile(path):
         return "full", path
     if os.path.isdir(os.path.join(path, "checkpoints")):
@@ -1751,6 +1771,12 @@ def export_checkpoint(path):
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
+    # meta.json lists model.pt's size too (a damaged one is then found like any file of the checkpoint),
+    # and keeps its mtime: the save's, by which complete_checkpoints orders the checkpoints.
+    meta_path, saved = os.path.join(path, "meta.json"), os.stat(os.path.join(path, "meta.json"))
+    meta["files"]["model.pt"] = os.path.getsize(os.path.join(path, "model.pt"))
+    write_text_atomic(meta_path, json.dumps(meta, indent=1))
+    os.utime(meta_path, ns=(saved.st_atime_ns, saved.st_mtime_ns))
     print(f"wrote {os.path.join(path, 'model.pt')}")
     return os.path.join(path, "model.pt")
 
@@ -1802,10 +1828,70 @@ def config_changes(old, cfg):
     return refused, allowed
 
 
-def prepare_run_dir(cfg, rank):
-    """Create the run directory (--out-dir) and decide what to resume from. Returns (checkpoint
-    to resume or None, notes to log). A run directory that holds a run is continued
-    (--resume auto) when the config matches, refused otherwise, restarted with --overwrite."""
+def data_changes(old, new):
+    """'data: SOURCE changed' (added, removed) for each difference between the data digests of a
+    checkpoint and of this run (BatchSource.digests); none when either has none."""
+    if old is None or new is None:
+        return []
+    return ([f"data: {k} changed" for k in new if k in old and new[k] != old[k]] +
+            [f"data: {k} added" for k in new if k not in old] + [f"data: {k} removed" for k in old if k not in new])
+
+
+def lock_run_dir(run_dir, notes):
+    """Rank 0 locks RUN_DIR/run.lock (flock) for the run's lifetime, so that a run directory has
+    one writer: a second launch into it is refused, naming the holder written inside. The kernel
+    drops the lock when its process ends, however it ends: a killed run's lock never blocks a
+    resume. Returns (the open lock file, or None on a file system without locks (said in
+    `notes`), undo: restores what this call changed, for a launch refused afterwards)."""
+    missing, d = [], os.path.abspath(run_dir)
+    while not os.path.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, RUN_LOCK)
+    new, fh = not os.path.exists(path), open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise BadInput(f"--out-dir {run_dir} is in use by {holder}: a run directory takes one run at a time; wait "
+                       "for it to end or stop it, or choose another --out-dir")
+    except OSError as e:  # e.g. Lustre mounted without flock
+        fh.close()
+        fh = None
+        notes.append(f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not be refused")
+
+    def rewrite(text):
+        fh.seek(0)
+        fh.truncate()
+        fh.write(text)
+        fh.flush()
+    before = ""
+    if fh:
+        fh.seek(0)
+        before = fh.read()
+        rewrite(f"host {socket.gethostname()} pid {os.getpid()}\n")
+
+    def undo():
+        with contextlib.suppress(OSError):
+            if new:
+                os.remove(path)
+            elif fh:
+                rewrite(before)
+            for d in missing:
+                os.rmdir(d)
+        if fh:
+            fh.close()
+    return fh, undo
+
+
+def prepare_run_dir(cfg, rank, digests=None):
+    """Lock the run directory (--out-dir; lock_run_dir), create it and decide what to resume from.
+    Returns (checkpoint to resume or None, notes to log, the lock on rank 0). A run directory
+    that holds a run is continued (--resume auto) when the config and the data (`digests`)
+    match, refused otherwise, restarted with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
 
     def decide():
@@ -1850,14 +1936,19 @@ def prepare_run_dir(cfg, rank):
             (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
         if old is not None:
             refused, allowed = config_changes(old, cfg)
-            if refused:
-                raise BadInput(f"--out-dir {run_dir} already holds a run with another config "
-                               f"({'; '.join(refused)}); resuming would silently change it: choose another "
-                               "directory or pass --overwrite")
+            changed = data_changes(meta.get("data") if meta else None, digests)
+            other = " and ".join(w for w, lines in (("another config", refused), ("other data", changed)) if lines)
+            if other and c.resume not in ("auto", "never"):  # --resume PATH: the run is that checkpoint's
+                raise BadInput(f"--resume {c.resume} was saved with {other} ({'; '.join(refused + changed)}); "
+                               "resuming would silently change its run: resume it with its own settings, or start "
+                               "a new run from its weights with --init-from")
+            if other:
+                raise BadInput(f"--out-dir {run_dir} already holds a run with {other} "
+                               f"({'; '.join(refused + changed)}); resuming would silently change it: choose "
+                               "another directory or pass --overwrite")
             notes += [f"changed on resume: {line}" for line in allowed]
             if resume and any(line.startswith(("train.max_steps", "train.lr_")) for line in allowed):
                 notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
-        os.makedirs(run_dir, exist_ok=True)
         if flight_recorder_dumps():  # the flight recorder's dumps need their directory
             os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
         if os.path.exists(os.path.join(run_dir, STOPPED_FILE)):
@@ -1872,8 +1963,20 @@ def prepare_run_dir(cfg, rank):
         write_text_atomic(config_path, json.dumps(dataclasses.asdict(cfg), indent=2))
         return resume, notes, t.lr_decay_steps
 
-    resume, notes, cfg.train.lr_decay_steps = agree(decide, rank)  # decided on rank 0
-    return resume, notes
+    held = {}
+
+    def locked_decide():
+        notes = []
+        lock, undo = lock_run_dir(run_dir, notes)
+        try:
+            resume, more, decay_steps = decide()
+        except BaseException:
+            undo()
+            raise
+        held["lock"] = lock
+        return resume, notes + more, decay_steps
+    resume, notes, cfg.train.lr_decay_steps = agree(locked_decide, rank)  # decided on rank 0
+    return resume, notes, held.get("lock")
 
 
 def keep_metric_lines(path, last_step):
@@ -1893,19 +1996,30 @@ def keep_metric_lines(path, last_step):
 
 class RunLog:
     """metrics.jsonl (one JSON object per event), training_log.txt (the same, readable) and the
-    trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl."""
+    trackers asked for (--tensorboard, --wandb), which get every number of metrics.jsonl. A write to
+    the files that fails (a full disk) is kept in `error`, not raised: rank 0 stopping alone would
+    leave the others waiting in a collective; main() stops every rank on it at the next step."""
 
     def __init__(self, run_dir, rank):
         self.rank, self.trackers, self.sent_step, self.sent_keys = rank, [], None, set()
+        self.error = None
         if rank == 0:
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
             self.text = open(os.path.join(run_dir, "training_log.txt"), "a")
 
+    def write(self, fh, text):
+        if self.error is None:
+            try:
+                fh.write(text)
+                fh.flush()
+            except OSError as e:
+                self.error = f"writing {fh.name} failed on rank 0 ({type(e).__name__}: {e}); the latest checkpoint " \
+                             "is intact"
+
     def line(self, msg):
         if self.rank == 0:
             tqdm.write(msg)
-            self.text.write(msg + "\n")
-            self.text.flush()
+            self.write(self.text, msg + "\n")
 
     def keep_metrics_until(self, step):
         if self.rank == 0:  # keep_metric_lines replaces the file: reopen it
@@ -1919,8 +2033,7 @@ class RunLog:
 
     def metrics(self, record):
         if self.rank == 0:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            self.write(self.jsonl, json.dumps(record) + "\n")
             # The trackers get the floats the record already holds (no extra synchronisation), each
             # key once a step: a validation at a log step repeats its tokens_seen.
             step = record["step"]
@@ -1960,8 +2073,9 @@ class RunLog:
 
     def close(self):
         if self.rank == 0:
-            self.jsonl.close()
-            self.text.close()
+            for fh in (self.jsonl, self.text):
+                with contextlib.suppress(OSError):  # a failed write is in self.error already
+                    fh.close()
 
 
 # Trackers: rank 0 only, opened once the step to continue from is known. Each has a name, log(step,
@@ -2490,7 +2604,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, getattr(model, "init_module", None))
     params["per_rank"] = [None] * topo.world
     dist.all_gather_object(params["per_rank"], local_parameter_count(model))
-    resume, notes = prepare_run_dir(cfg, rank)
+    resume, notes, lock = prepare_run_dir(cfg, rank, getattr(data, "digests", None))
     run_dir, log = t.out_dir, RunLog(t.out_dir, rank)
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -2544,8 +2658,11 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 profiler.step()
             if launcher is not None and os.getppid() != launcher:
                 stop_flag["signal"] = LAUNCHER_GONE
-            stop = torch.tensor([stop_flag["signal"]])
+            stop = torch.tensor([stop_flag["signal"], int(log.error is not None)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=topo.control)
+            if stop[1].item():  # rank 0 could not write the log (a full disk): every rank stops
+                raise RunFailed(log.error or "rank 0 could not write the run's log")
+            stop = stop[:1]
             last = step == plan.max_steps - 1
             if (step + 1) % t.log_every == 0 or last:
                 check_finite(first_bad)
@@ -2567,7 +2684,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 t0 = time.perf_counter()
                 pending = finish_background_save(pending, c, topo, log, wait=True)  # one at a time, in order
                 meta = checkpoint_meta(cfg, step + 1, tokens_seen, data.tokenizer_path, scaler, topo.world,
-                                       val_loss=val["loss"] if evaluated == step + 1 else None)
+                                       val_loss=val["loss"] if evaluated == step + 1 else None,
+                                       digests=getattr(data, "digests", None))
                 path, t1 = checkpoint_path(run_dir, step + 1), time.perf_counter()
                 if c.async_save and not (last or stop.item()):  # a stop or the end: synchronous, below
                     pending = start_async_save(path, meta, model, optimizer, topo, saver)
@@ -2585,6 +2703,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     finally:
         if pending:  # stopped by an error: let the write end before the process groups are destroyed
             pending.future.exception()
+            if rank == 0:  # and leave no staging directory
+                shutil.rmtree(staging_path(pending.path), ignore_errors=True)
         bar.close()
         log.close_trackers()
         if profiler:
@@ -2593,7 +2713,12 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             signal.signal(sig, handler)
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
-    dist.barrier()
+    failed = torch.tensor([int(log.error is not None)])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=topo.control)  # also the barrier: every rank has ended
+    if failed.item():
+        raise RunFailed(log.error or "rank 0 could not write the run's log")
+    if lock:
+        lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:
         dist.destroy_process_group()
     return val

@@ -247,10 +247,10 @@ def error_line(proc, code, alone=False):
 
 
 class Workers:
-    """nproc train_fsdp.py processes started without torchrun (RANK, WORLD_SIZE, ... set here),
-    all in one new process group; stdout/stderr go to files."""
+    """nproc train_fsdp.py processes (or `script`, given the same arguments) started without
+    torchrun (RANK, WORLD_SIZE, ... set here), all in one new process group; stdout/stderr go to files."""
 
-    def __init__(self, nproc, args, log_prefix):
+    def __init__(self, nproc, args, log_prefix, script="train_fsdp.py"):
         self.procs, self.logs = [], []
         self.store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
         for rank in range(nproc):
@@ -264,7 +264,7 @@ class Workers:
             # of its own session), so that killpg reaches every rank at once.
             group = dict(process_group=0 if rank == 0 else self.procs[0].pid)
             with open(out, "w") as fo, open(err, "w") as fe:
-                self.procs.append(subprocess.Popen([sys.executable, "train_fsdp.py", *map(str, args)], cwd=ROOT,
+                self.procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT,
                                                    env=env, stdout=fo, stderr=fe, **group))
 
     def alive(self):

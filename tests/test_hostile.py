@@ -10,6 +10,18 @@
   7. sample.py: one `error:` line for bad types and values (--temperature < 0), exit 2
   8. --resume PATH that does not exist names --resume
 
+Issue 24, a second try-out:
+
+  9. a corpus edited, or a file added to a directory corpus, after a run: its resume is refused
+ 10. a second launch into a run directory in use is refused, naming the holder; once the holder is
+     killed, the same command resumes
+ 11. a disk that fills during a background save: one line naming it, exit 1 on every rank, the
+     latest checkpoint intact and no staging directory left
+ 12. --init-from a damaged checkpoint: the size check of a resume, before anything is written
+ 13. sample.py on a damaged model.pt that --export wrote: one line; the export records its size
+ 14. --resume CHECKPOINT with another config names that checkpoint and what differs
+ 15. a damaged best checkpoint is no longer named best at the next save (said)
+
 One short one-process run serves as the damaged run and as sample.py's checkpoint; the other
 command lines stop before training, two at a time.
 """
@@ -17,8 +29,10 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_checkpoint import cli, error_line, n_loss_records, snapshot  # noqa: E402
+from test_checkpoint import Workers, cli, error_line, latest_name, leftovers, n_loss_records, snapshot  # noqa: E402
 from test_data import english  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 
@@ -76,6 +90,15 @@ def refusals(run, tmp_path_factory):
     (tmp / "bad.model").write_text("hello, I am not a model\n")
     jobs["tokenizer"] = lambda: cli(ONE + ["--dataset", tmp / "corpus.txt", "--tokenizer", tmp / "bad.model",
                                            "--out-dir", tmp / "tok", "--cache-dir", tmp / "c2"])
+    init = shutil.copytree(run, tmp / "init_src")
+    shard = os.path.join(init, "checkpoints", "step_0000001", "dcp", "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) // 5)
+    with open(os.path.join(init, "checkpoints", "best"), "w") as fh:
+        fh.write("step_0000001\n")
+    jobs["init_damaged"] = lambda: cli(ONE + ["--init-from", os.path.join(init, "checkpoints", "best"),
+                                              "--out-dir", tmp / "init", "--cache-dir", tmp / "c4"])
+    jobs["resume_other"] = lambda: cli(ONE + ["--resume", os.path.join(run, "checkpoints", "step_0000001"),
+                                              "--n-layer", "4", "--out-dir", tmp / "new1", "--cache-dir", tmp / "c5"])
     jobs["resume_missing"] = lambda: cli(ONE + ["--resume", tmp / "other", "--out-dir", tmp / "res",
                                                 "--cache-dir", tmp / "c3"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -308,3 +331,208 @@ def test_resume_from_a_missing_path_names_resume(refusals):
     assert line.startswith(f"error: --resume {tmp / 'other'}: no such directory; valid: auto, never or a "
                            "checkpoint directory"), line
     assert not (tmp / "res").exists()
+
+
+# =============================================================================================
+# 9. The data changed under a run
+
+
+def test_a_resume_on_changed_data_is_refused_with_a_list(tmp_path):
+    """A run on a directory corpus (character tokenizer); then its file is edited (the same
+    characters, other counts: the retrained tokenizer has the same size and other ids) and a file
+    is added. The same command is refused, naming each change, and writes nothing."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = english(200)
+    (corpus / "a.txt").write_text(text)
+    args = ONE + ["--dataset", corpus, "--tokenizer-type", "char", "--seq-len", "16", "--out-dir", tmp_path / "run",
+                  "--cache-dir", tmp_path / "cache"]
+    proc = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (corpus / "a.txt").write_text(text.replace("the", "eee"))  # sed -i s/the/eee/g
+    (corpus / "b.txt").write_text(text[:2000])
+    before = snapshot(tmp_path / "run")
+    line = error_line(cli(args), train_fsdp.EXIT_BAD_INPUT, alone=True)
+    assert f"--out-dir {tmp_path / 'run'} already holds a run with other data (" in line, line
+    for change in (f"corpus {corpus / 'a.txt'} changed", f"corpus {corpus / 'b.txt'} added", "tokenizer changed"):
+        assert f"data: {change}" in line, line
+    assert snapshot(tmp_path / "run") == before  # nothing written
+
+
+# =============================================================================================
+# 10. One writer per run directory
+
+
+def test_a_second_launch_into_a_run_directory_in_use_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    args = TINY + ["--strategy", "none", "--max-steps", "100000", "--save-every", "5", "--out-dir", run_dir,
+                   "--cache-dir", tmp_path / "cache"]
+    first = subprocess.Popen([sys.executable, "train_fsdp.py", *map(str, args)], cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while n_loss_records(run_dir) < 10:  # training, with a checkpoint saved
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        config = (run_dir / "config.json").stat().st_mtime_ns
+        line = error_line(cli(args), train_fsdp.EXIT_BAD_INPUT, alone=True)
+        holder = f"host {socket.gethostname()} pid {first.pid}"
+        assert line == (f"error: --out-dir {run_dir} is in use by {holder}: a run directory takes one run at a time; "
+                        "wait for it to end or stop it, or choose another --out-dir"), line
+        assert first.poll() is None  # the first run trains on, its files untouched by the second launch
+        assert (run_dir / "config.json").stat().st_mtime_ns == config
+        assert (run_dir / "run.lock").read_text() == holder + "\n"
+    finally:
+        first.kill()
+        first.wait()
+    # Killed, the first run holds nothing: the same command (ending sooner) resumes its checkpoint.
+    proc = cli(args + ["--max-steps", "5"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout, proc.stdout[-3000:]
+
+
+# =============================================================================================
+# 11. The disk fills during a background save
+
+# A stub of a disk that fills: once the save of step 10 has begun, the writes of this process
+# into RUN_DIR (or RUN_DIR/checkpoints) have `space` bytes left, then fail as on a full disk, whose
+# file system has no space left. (Files torch.save writes by name are written in C++, unseen by
+# the stub: the RNG states.)
+FULL_DISK = """
+import builtins, errno, io, os, shutil, sys
+sys.path.insert(0, {root!r})
+run_dir = os.path.abspath(sys.argv[sys.argv.index("--out-dir") + 1])
+full_under = os.path.join(run_dir, {under!r})
+left, real_open, real_usage = [None], io.open, shutil.disk_usage
+def space_left():  # None until the save of step 10 begins
+    if left[0] is None and os.path.exists(os.path.join(run_dir, "checkpoints", ".tmp-step_0000010")):
+        left[0] = {space}
+    return left[0]
+class FullDisk:
+    def __init__(self, f):
+        self.f = f
+    def write(self, data):
+        size = len(data) if isinstance(data, str) else memoryview(data).nbytes
+        if space_left() is not None:
+            if size > left[0]:
+                left[0] = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left[0] -= size
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+def full_open(file, mode="r", *args, **kw):
+    f = real_open(file, mode, *args, **kw)
+    named = isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(full_under)
+    return FullDisk(f) if named and set(mode) & set("wax+") else f
+def disk_usage(path):
+    return real_usage(path) if space_left() is None else real_usage(path)._replace(free=left[0])
+builtins.open = io.open = full_open
+shutil.disk_usage = disk_usage
+sys.argv[0] = "train_fsdp.py"
+import train_fsdp
+train_fsdp.run()
+"""
+
+
+@pytest.mark.parametrize("under, space, message", [
+    ("", 0, r"error: writing \S+/(metrics\.jsonl|training_log\.txt) failed on rank 0 \(OSError: \[Errno 28\] No "
+            r"space left on device\); the latest checkpoint is intact"),
+    ("checkpoints", 2048, r"error: saving the checkpoint of step 10 failed \(rank \d: RuntimeError: .* unexpected "
+                          r"pos \d+ vs \d+ \(its file system is full: 0 bytes free\)\); the previous checkpoint is "
+                          r"intact")], ids=["log", "save"])
+def test_a_disk_full_during_a_background_save_stops_every_rank_with_one_line(tmp_path, under, space, message):
+    """The disk fills while step 10 is written in the background: with `under` "", the run's log
+    fails first (the issue's rank 0 traceback in the metrics flush); with "checkpoints", the save."""
+    wrapper = tmp_path / "full_disk.py"
+    wrapper.write_text(FULL_DISK.format(root=ROOT, under=under, space=space))
+    run_dir = tmp_path / "run"
+    args = TINY + ["--max-steps", "30", "--save-every", "5", "--async-save", "--out-dir", run_dir,
+                   "--cache-dir", tmp_path / "cache"]
+    workers = Workers(2, args, str(tmp_path / "log"), script=wrapper)
+    assert workers.wait(timeout=120) == [train_fsdp.EXIT_FAILED] * 2, workers.output()
+    assert not any("Traceback" in workers.stderr(rank) for rank in (0, 1)), workers.output()
+    errors = [line for line in workers.stderr(0).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(message, errors[0]), workers.output()
+    assert latest_name(run_dir) == "step_0000005" and not leftovers(run_dir)
+    assert train_fsdp.check_checkpoint(str(run_dir / "checkpoints" / "step_0000005"))["step"] == 5
+
+
+# =============================================================================================
+# 12. --init-from a damaged checkpoint
+
+
+def test_init_from_a_damaged_checkpoint_is_refused_before_anything_is_written(refusals):
+    results, tmp = refusals
+    line = error_line(results["init_damaged"], train_fsdp.EXIT_BAD_INPUT, alone=True)
+    step = tmp / "init_src" / "checkpoints" / "step_0000001"
+    assert line.startswith(f"error: --init-from {step}: checkpoint {step} is incomplete or corrupted: "
+                           "dcp/__0_0.distcp has "), line
+    assert not (tmp / "init").exists()
+
+
+# =============================================================================================
+# 13. A damaged export
+
+
+def test_sample_on_a_damaged_export_is_one_line_and_the_export_records_its_size(run, tmp_path, capsys):
+    step = shutil.copytree(os.path.join(run, "checkpoints", "step_0000001"), tmp_path / "step_0000001")
+    saved = os.stat(step / "meta.json").st_mtime_ns
+    model_pt = train_fsdp.export_checkpoint(str(step))
+    # meta.json lists model.pt's size (its mtime, by which checkpoints are ordered, unchanged)
+    assert train_fsdp.check_checkpoint(str(step))["files"]["model.pt"] == os.path.getsize(model_pt)
+    assert os.stat(step / "meta.json").st_mtime_ns == saved
+    os.truncate(model_pt, os.path.getsize(model_pt) // 5)
+    with pytest.raises(train_fsdp.RunFailed, match=r"model\.pt has \d+ bytes, \d+ expected"):
+        train_fsdp.check_checkpoint(str(step))  # what --init-from, --resume and --export see now
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--ckpt", str(step), "--device", "cpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --ckpt {model_pt} cannot be read ("), err
+    assert "the checkpoint is damaged" in err, err
+
+
+# =============================================================================================
+# 14. --resume CHECKPOINT with another config
+
+
+def test_resume_of_a_checkpoint_with_another_config_names_the_checkpoint(run, refusals):
+    results, tmp = refusals
+    line = error_line(results["resume_other"], train_fsdp.EXIT_BAD_INPUT, alone=True)
+    step = os.path.join(run, "checkpoints", "step_0000001")
+    assert line == (f"error: --resume {step} was saved with another config (model.n_layer: 2 -> 4); resuming would "
+                    "silently change its run: resume it with its own settings, or start a new run from its weights "
+                    "with --init-from"), line
+    assert not (tmp / "new1").exists()
+
+
+# =============================================================================================
+# 15. A damaged best checkpoint
+
+
+def test_a_damaged_best_checkpoint_gives_way_at_the_next_save(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    cfg = train_fsdp.Config()
+
+    def save(step, val_loss):  # a checkpoint of one file, published as a run's save is
+        tmp = root / f".tmp-step_{step:07d}"
+        tmp.mkdir()
+        (tmp / "rng_rank0.pt").write_bytes(b"x" * 100)
+        meta = train_fsdp.checkpoint_meta(cfg, step, 0, "", None, 1, val_loss=val_loss)
+        train_fsdp.publish_checkpoint(str(root / f"step_{step:07d}"), meta, 2, keep_best=True)
+    save(1, 1.0)
+    save(2, 2.0)
+    assert (root / "best").read_text() == "step_0000001\n"
+    os.truncate(root / "step_0000001" / "rng_rank0.pt", 20)
+    save(3, 3.0)
+    assert (root / "best").read_text() == "step_0000002\n"  # the lowest loss of the intact ones
+    assert f"{root / 'step_0000001'} is incomplete or corrupted: rng_rank0.pt has 20 bytes, 100 expected " \
+        f"(truncated?): {root / 'best'} no longer names it" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == ["best", "latest", "step_0000002", "step_0000003"]  # pruned like any other
