@@ -57,7 +57,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -648,11 +650,13 @@ def init_weights(model, order, init_fn):
     sharded (DTensor) parameter is initialised as a full-size tensor of which each rank keeps its
     shard, so the weights do not depend on the world size: one parameter at a time is held in full."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
+    done = set()  # a parameter shared by modules (a tied embedding and head) is initialised at its first holder
     for m in order:
-        own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)}
+        own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor) and p not in done}
+        done.update(own.values())
         full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device) for n, p in own.items()}
         plain = {n: t for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
-                 if t is not None and n not in own}
+                 if t is not None and not isinstance(t, DTensor)}
         try:
             for n, t in full.items():
                 m._parameters[n] = torch.nn.Parameter(t, requires_grad=own[n].requires_grad)
@@ -1561,22 +1565,51 @@ class RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_weights_only(path, **kwargs):
-    """torch.load with weights_only=True: tensors and plain values. A file that asks for any other
-    global is refused (BadInput); bytes that are no pickle at all raise as torch raised them."""
+def load_weights_only(path, name=None, **kwargs):
+    """torch.load with weights_only=True: tensors and plain values. A file (or a file object, named
+    by `name`) that asks for any other global is refused (BadInput); bytes that are no pickle at
+    all raise as torch raised them."""
+    name = name or path
     try:
         return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e))  # how torch names a global it does not admit
         if found:
-            raise BadInput(refusal(path, found[1])) from None
-        with open(path, "rb") as fh:  # a plain pickle torch does not parse (protocol 4, say)
+            raise BadInput(refusal(name, found[1])) from None
+        with open(path, "rb") if isinstance(path, str) else contextlib.nullcontext(path) as fh:
+            fh.seek(0)  # a plain pickle torch does not parse (protocol 4, say)
             try:
-                RestrictedUnpickler(fh, path, set()).load()  # refuses it at its first global
+                RestrictedUnpickler(fh, name, set()).load()  # refuses it at its first global
             except BadInput:
                 raise
             except Exception:  # not a pickle either: damaged
                 pass
+        raise
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a checkpoint's non-tensor entries (the optimizer's
+    param_groups: lr, betas, ...) are read by load_weights_only: DCP's own planner unpickles them
+    with weights_only=False, so a doctored .distcp file could run code."""
+
+    def load_bytes(self, read_item, value):
+        obj = load_weights_only(value, name=f"the entry {read_item.dest_index.fqn} of a .distcp file")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def dcp_load(state, dcp_dir):
+    """dcp.load that runs no code from the checkpoint: its metadata through MetadataCheckingReader,
+    its non-tensor entries through WeightsOnlyLoadPlanner. A refusal on any rank is BadInput (DCP
+    wraps what load_bytes raises in a CheckpointException)."""
+    try:
+        dcp.load(state, storage_reader=dcp_reader(dcp_dir), planner=WeightsOnlyLoadPlanner())
+    except CheckpointException as e:
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, BadInput)]
+        if refused:
+            raise refused[0] from None
         raise
 
 
@@ -1634,7 +1667,7 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         # get_optimizer_state_dict initialises empty optimizer state first, so DCP has tensors to
         # load into even before the first step (otherwise resharding fails on missing keys).
         state = sharded_state(model, optimizer)
-        dcp.load(state, storage_reader=dcp_reader(os.path.join(path, "dcp")))
+        dcp_load(state, os.path.join(path, "dcp"))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
@@ -1731,7 +1764,7 @@ def init_weights_from(path, model):
         set_model_state_dict(model, state, options=state_dict_options("init"))
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, storage_reader=dcp_reader(where))
+        dcp_load(state, where)
         set_model_state_dict(model, state["model"])
 
 
@@ -1767,7 +1800,7 @@ def export_checkpoint(path):
                    if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp.load({"model": model_state}, storage_reader=reader)
+        dcp.load({"model": model_state}, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))

@@ -983,6 +983,23 @@ def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables
             train_fsdp.MetadataCheckingReader(str(tmp_path / name)).read_metadata()
 
 
+def test_a_distcp_entry_that_would_run_code_is_refused(tmp_path):
+    """DCP stores a state dict's non-tensor values (the optimizer's param_groups) as pickles inside
+    the .distcp files and its own planner loads them with weights_only=False: a checkpoint can
+    hold one that runs code (DCP's plain dcp.load runs it). train_fsdp.dcp_load refuses it, and
+    reads the plain values every checkpoint holds."""
+    marker, ckpt = tmp_path / "MARKER", str(tmp_path / "dcp")
+    dcp.save({"lr": 0.1, "kind": "adamw", "evil": payload(marker)}, checkpoint_id=ckpt)
+    with pytest.raises(train_fsdp.BadInput, match=r"refused to load the entry evil .*posix\.system"):
+        train_fsdp.dcp_load({"evil": None}, ckpt)
+    assert not marker.exists()
+    state = {"lr": None, "kind": None}
+    train_fsdp.dcp_load(state, ckpt)
+    assert state == {"lr": 0.1, "kind": "adamw"}
+    dcp.load({"evil": None}, checkpoint_id=ckpt)  # what DCP alone does: the code runs
+    assert marker.exists()
+
+
 def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):
     results, _, tmp = cli_runs
     line = error_line(results["resume_corrupted"], train_fsdp.EXIT_BAD_INPUT, alone=True)

@@ -378,6 +378,29 @@ def test_tied_parameters_stay_shared(repo, group, strategy, meta):
     assert not any(p.isnan().any() for p in state.values())
 
 
+def test_meta_init_gives_the_same_tied_weights_under_every_strategy(repo, group):
+    """The tied weight is initialised once, at its first holder, under every strategy: FSDP2 once
+    initialised it again at the LM head, a draw more, and every later module's weights moved."""
+    model_lib = repo_module(repo, "model")
+    states = {}
+    for strategy in ["none", "ddp", "fsdp", "fsdp2"]:
+        cfg = train_fsdp.parse_config(["--strategy", strategy, "--auto-wrap", "module", "--meta-init"],
+                                      train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
+        topo = train_fsdp.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
+                                   backend="gloo", mesh=None)
+        topo = train_fsdp.dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = model_lib.GPT(cfg.model)
+        wrapped = train_fsdp.wrap_model(model, {model_lib.Block}, {model_lib.Block}, cfg, topo, model.init_module)
+        states[strategy] = train_fsdp.get_model_state_dict(
+            wrapped, options=train_fsdp.state_dict_options("save", topo.device))
+    for strategy, state in states.items():
+        assert state.keys() == states["none"].keys()
+        for k, v in state.items():
+            assert torch.equal(v, states["none"][k]), (strategy, k)
+
+
 def test_seam_settings_are_flags_toml_keys_and_refuse_a_clash(repo, tmp_path):
     model_lib = repo_module(repo, "model")
     template = train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings())
