@@ -1963,9 +1963,10 @@ def prepare_run_dir(cfg, rank, digests=None):
         for section, sec in sections(cfg).items() if old is not None else ():  # fields the old run predates
             if hasattr(sec, "saved_fields"):
                 old[section] = sec.saved_fields(old.get(section, {}))
-        # The schedule's length is the run's, fixed at its first launch: a resume keeps it.
-        t = cfg.train
-        t.lr_decay_steps = t.lr_decay_steps or (old or {}).get("train", {}).get("lr_decay_steps") or \
+        # The schedule's length is the run's, fixed at its first launch: a resume keeps it (a run
+        # saved before lr_decay_steps existed decayed over its own max_steps, cosine).
+        t, saved = cfg.train, (old or {}).get("train", {})
+        t.lr_decay_steps = t.lr_decay_steps or saved.get("lr_decay_steps") or saved.get("max_steps") or \
             (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
         if old is not None:
             refused, allowed = config_changes(old, cfg)

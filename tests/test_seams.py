@@ -432,6 +432,13 @@ def test_a_resume_refuses_a_changed_seam_setting(repo, group, tmp_path):
     _, notes, lock = train_fsdp.prepare_run_dir(config("--log-every", "3"), 0)  # the trainer's may change
     lock.close()
     assert notes == ["changed on resume: train.log_every: 10 -> 3"]
+    # A run saved before lr_decay_steps existed decayed over its own max_steps: a resume keeps that.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["train"]["lr_decay_steps"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = config("--max-steps", "12")
+    train_fsdp.prepare_run_dir(cfg, 0)[2].close()
+    assert cfg.train.lr_decay_steps == 8
 
 
 def test_schedules():
