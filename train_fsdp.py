@@ -166,9 +166,9 @@ class TrainConfig:
                              "model) or blocks (each block in place before wrapping: identical blocks share one "
                              "graph, so compiling takes one block's time); fsdp2 always compiles each block",
                              ["model", "blocks"])
-    compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters, "
-                            "else default), default, reduce-overhead (CUDA graphs: one launch for a graph's kernels, "
-                            "for small models on a GPU), max-autotune-no-cudagraphs",
+    compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters "
+                            "except FSDP on several processes, else default), default, reduce-overhead (CUDA graphs: "
+                            "one launch for a graph's kernels, for small models on a GPU), max-autotune-no-cudagraphs",
                             ["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL/gloo debug logging and the flight recorder "
@@ -488,12 +488,12 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
     regional = cfg.train.compile and (strategy == "fsdp2" or cfg.train.compile_scope == "blocks")
-    mode = compile_mode(cfg, parameter_count(model))  # counted before sharding
+    mode = compile_mode(cfg, parameter_count(model), topo.world)  # counted before sharding
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
             b.compile(mode=mode)
     if strategy == "fsdp2":
-        return fully_shard_model(model, units, blocks, cfg, topo, init_fn)
+        return fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode)
     materialise = meta_init_fn(model, init_fn, device) if f.meta_init else None
     if strategy == "fsdp":
         model = FSDP(model, param_init_fn=materialise, **fsdp_kwargs(cfg, units, topo))
@@ -569,14 +569,16 @@ def one_unit(model, f):
     return f.auto_wrap == "auto" and parameter_count(model) < ONE_UNIT_BELOW
 
 
-def compile_mode(cfg, n_params):
+def compile_mode(cfg, n_params, world):
     """--compile-mode auto: CUDA graphs (reduce-overhead) for a model under ONE_UNIT_BELOW
     parameters, whose step is kernel launches more than kernels (10.7M on one H200: none 15 -> 8
-    ms a step, fsdp 21 -> 13); default above, where graphs gained nothing (1b: 306 against 307 ms)
-    and would hold a memory pool of their own."""
-    if cfg.train.compile_mode == "auto":
-        return "reduce-overhead" if n_params < ONE_UNIT_BELOW else "default"
-    return cfg.train.compile_mode
+    ms a step, fsdp 21 -> 13, ddp on 2 GPUs 16 -> 8), except FSDP on several processes, where
+    graphs are not measured yet (FSDP frees and gathers its parameters every step); default above
+    100M, where graphs gained nothing (1b: 306 against 307 ms) and hold a memory pool of their own."""
+    if cfg.train.compile_mode != "auto":
+        return cfg.train.compile_mode
+    sharded = cfg.train.strategy in ("fsdp", "fsdp2") and world > 1
+    return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not sharded else "default"
 
 
 def init_order(model, units):
@@ -697,7 +699,7 @@ def fsdp_kwargs(cfg, units, topo):
     )
 
 
-def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
+def fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode):
     """FSDP2. Activation checkpointing, then torch.compile of each block (torchtitan's order),
     then fully_shard on each unit bottom-up and on the root. FULL_SHARD and HYBRID_SHARD reshard
     after forward (except the last block and the root, needed first in backward), SHARD_GRAD_OP
@@ -712,7 +714,7 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn):
         parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
         for b in blocks:
             parent, name = parents[outer[b]]
-            outer[b] = torch.compile(outer[b], mode=compile_mode(cfg, parameter_count(model)))
+            outer[b] = torch.compile(outer[b], mode=mode)
             parent.register_module(name, outer[b])
     kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
@@ -2255,7 +2257,7 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     log.line(headline)
     log.line(loss_precision(cfg))
     if t.compile:
-        mode = compile_mode(cfg, params["total"])
+        mode = compile_mode(cfg, params["total"], topo.world)
         log.line(f"compile: {'each block' if t.strategy == 'fsdp2' or t.compile_scope == 'blocks' else 'the model'}"
                  f", mode {mode}{' (CUDA graphs on a GPU)' if mode == 'reduce-overhead' else ''}")
     if t.strategy in ("fsdp", "fsdp2") and cfg.fsdp.auto_wrap == "auto":
@@ -2603,6 +2605,12 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
         export_checkpoint(argv[1])
         return None
+    # This project's seams read each other's output and settings: yours replace them in pairs.
+    if bool(build_model) != bool(compute_loss) or (model_config and not build_model):
+        raise BadInput("pass build_model, compute_loss (and model_config, if any) together: this project's read "
+                       "what its own model returns and its settings")
+    if data_config and not load_dataset:
+        raise BadInput("data_config needs your load_dataset: this project's reads its own settings")
     this = sys.modules[__name__]
     sections_of = {"model": model_config or (NoSettings if build_model else project_model_config),
                    "data": data_config or (NoSettings if load_dataset else project_data_config)}

@@ -441,6 +441,15 @@ def test_a_resume_refuses_a_changed_seam_setting(repo, group, tmp_path):
     assert cfg.train.lr_decay_steps == 8
 
 
+def test_seams_that_read_each_other_are_replaced_together():
+    """This project's compute_loss reads its model's output and settings: a custom model with the
+    default loss (or settings without the model) is one line, not an AttributeError mid-run."""
+    for seams in ({"build_model": lambda cfg: None}, {"compute_loss": lambda *a: None},
+                  {"model_config": train_fsdp.NoSettings}, {"data_config": train_fsdp.NoSettings}):
+        with pytest.raises(train_fsdp.BadInput, match="together|needs your load_dataset"):
+            train_fsdp.main([], **seams)
+
+
 def test_schedules():
     """cosine: decays to the floor at --lr-decay-steps, then stays; wsd: the peak, then a linear
     decay over the last --lr-decay-steps steps of the run."""
