@@ -44,10 +44,10 @@ kappa-sweep:
 	$(PYTHON) sample.py --summarize $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) | tee runs/kappa-sweep-$(STAMP).md
 	$(PYTHON) plot_runs.py $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) -o runs/kappa-sweep-$(STAMP).png
 
-# One PNG of runs' metrics.jsonl, overlaid (needs matplotlib): make plot RUNS="runs/a runs/b" [OUT=cmp.png]
-OUT ?= runs/plot.png
+# One PNG of runs' metrics.jsonl, overlaid (needs matplotlib): make plot RUNS="runs/a runs/b" [PLOT=cmp.png]
+PLOT ?= runs/plot.png
 plot:
-	$(PYTHON) plot_runs.py $(RUNS) -o $(OUT)
+	$(PYTHON) plot_runs.py $(RUNS) -o $(PLOT)
 
 # Consolidate a sharded checkpoint into one file: make export CKPT=runs/RUN/checkpoints/step_N
 export:
