@@ -928,7 +928,7 @@ def resolve_strategy(cfg, topo):
         say("--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
 
 
-def describe_strategy(cfg):
+def describe_strategy(cfg, one=False):
     """(headline, notes) of the start-up summary: what the strategy does with which dtypes, and
     settings that have no effect under it."""
     t, f = cfg.train, cfg.fsdp
@@ -944,7 +944,9 @@ def describe_strategy(cfg):
         return headline, notes
     if t.strategy == "fsdp2":
         reshard = fsdp2_reshards(f)
-        kept = "" if not reshard else " except the root" + (" and last block" if f.auto_wrap != "size" else "")
+        # one: the model is one unit, the root, which FSDP2 keeps gathered after forward
+        kept = "" if not reshard else " except the root" + (" and last block" if f.auto_wrap != "size" and not one
+                                                            else "")
         headline = (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) wrap={f.auto_wrap}"
                     f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
                     f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}")
@@ -2054,8 +2056,12 @@ class RunLog:
 
     def line(self, msg):
         if self.rank == 0:
-            tqdm.write(msg)
             self.write(self.text, msg + "\n")
+            try:
+                tqdm.write(msg)  # above the bar, in a terminal
+            except OSError as e:  # stdout redirected to a full disk (a Slurm log): kept, as write() does
+                self.error = self.error or f"writing stdout failed on rank 0 ({type(e).__name__}: {e}); the " \
+                                           "latest checkpoint is intact"
 
     def keep_metrics_until(self, step):
         if self.rank == 0:  # keep_metric_lines replaces the file: reopen it
@@ -2251,7 +2257,7 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     trainable of the plain model, per_rank after wrapping), the batch layout, what is ignored, how
     many validation rows (of n_val) each evaluation reads, what is saved and kept."""
     t, c, device = cfg.train, cfg.checkpoint, topo.device
-    headline, notes = describe_strategy(cfg)
+    headline, notes = describe_strategy(cfg, one=cfg.fsdp.auto_wrap == "auto" and params["total"] < ONE_UNIT_BELOW)
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(headline)

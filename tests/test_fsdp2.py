@@ -169,6 +169,8 @@ def test_describe_fsdp2():
     assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root and last block)")
     headline, _ = train_fsdp.describe_strategy(train_fsdp.parse_config(["--strategy", "fsdp2", "--auto-wrap", "size"]))
     assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root) wrap=size")
+    headline, _ = train_fsdp.describe_strategy(train_fsdp.parse_config(["--strategy", "fsdp2"]), one=True)
+    assert headline.startswith("strategy fsdp2 FULL_SHARD (reshard_after_forward=True except the root) wrap=auto")
 
 
 @pytest.mark.parametrize("argv,backend,expected", [

@@ -536,3 +536,18 @@ def test_a_damaged_best_checkpoint_gives_way_at_the_next_save(tmp_path, capsys):
     assert f"{root / 'step_0000001'} is incomplete or corrupted: rng_rank0.pt has 20 bytes, 100 expected " \
         f"(truncated?): {root / 'best'} no longer names it" in capsys.readouterr().out
     assert sorted(os.listdir(root)) == ["best", "latest", "step_0000002", "step_0000003"]  # pruned like any other
+
+
+def test_a_full_stdout_is_kept_not_raised_on_rank_0(tmp_path, monkeypatch):
+    """stdout redirected to a full disk (a Slurm log): rank 0's log line keeps the error, as a
+    failed metrics write does, and main() stops every rank on it at the next step; raising there
+    would stop rank 0 alone and leave the others waiting in a collective."""
+    def full(msg):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(train_fsdp.tqdm, "write", full)
+    log = train_fsdp.RunLog(str(tmp_path), 0)
+    log.line("step 1")
+    log.close()
+    assert "writing stdout failed on rank 0" in log.error and "No space left" in log.error
+    assert (tmp_path / "training_log.txt").read_text() == "step 1\n"
+
