@@ -487,7 +487,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
-    regional = cfg.train.compile and (strategy == "fsdp2" or cfg.train.compile_scope == "blocks")
+    regional = cfg.train.compile and compiles_blocks(cfg)
     mode = compile_mode(cfg, parameter_count(model), topo.world)  # counted before sharding
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
@@ -534,7 +534,7 @@ def shard_units(model, wrap_classes, cfg):
     parameter with a module outside it (a tied embedding and LM head) is never a unit: both
     stay in the root's unit, where one gather serves both."""
     f = cfg.fsdp
-    if one_unit(model, f):
+    if one_unit(f, parameter_count(model)):
         return []  # the root's unit holds everything
     holders = {}  # parameter -> the modules that hold it directly
     for m in model.modules():
@@ -564,9 +564,14 @@ def parameter_count(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def one_unit(model, f):
-    """--auto-wrap auto on a model under ONE_UNIT_BELOW parameters: no unit but the root."""
-    return f.auto_wrap == "auto" and parameter_count(model) < ONE_UNIT_BELOW
+def one_unit(f, n_params):
+    """--auto-wrap auto on a model of n_params under ONE_UNIT_BELOW: no unit but the root."""
+    return f.auto_wrap == "auto" and n_params < ONE_UNIT_BELOW
+
+
+def compiles_blocks(cfg):
+    """--compile compiles each block (fsdp2 always; the others under --compile-scope blocks)."""
+    return cfg.train.strategy == "fsdp2" or cfg.train.compile_scope == "blocks"
 
 
 def compile_mode(cfg, n_params, world):
@@ -813,10 +818,15 @@ def precision_context(cfg, device):
     or --autocast adds autocast. DDP and one device use autocast with that dtype instead: the
     matrix products run in it, but the weights and the residual stream stay fp32, so their
     numerics are not FSDP's."""
-    dtype = DTYPES[cfg.fsdp.param_dtype]
-    if dtype == torch.float32 or (cfg.train.strategy in ("fsdp", "fsdp2") and not cfg.fsdp.autocast):
+    if not autocasts(cfg):
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=DTYPES[cfg.fsdp.param_dtype])
+
+
+def autocasts(cfg):
+    """Whether forward and loss run under autocast (precision_context): below fp32, always outside
+    FSDP, under FSDP with --autocast."""
+    return cfg.fsdp.param_dtype != "fp32" and (cfg.train.strategy not in ("fsdp", "fsdp2") or cfg.fsdp.autocast)
 
 
 def loss_precision(cfg):
@@ -824,7 +834,7 @@ def loss_precision(cfg):
     dtype = cfg.fsdp.param_dtype
     if dtype == "fp32":
         return "loss: compute_loss runs in fp32"
-    if cfg.train.strategy in ("fsdp", "fsdp2") and not cfg.fsdp.autocast:
+    if not autocasts(cfg):
         return (f"loss: compute_loss gets the model's {dtype} outputs (FSDP computes in {dtype}, no autocast): a loss "
                 f"it does not compute in fp32 (this project's casts the logits) is {dtype}; --autocast runs "
                 "cross_entropy, softmax and norms in fp32")
@@ -2051,17 +2061,20 @@ class RunLog:
                 fh.write(text)
                 fh.flush()
             except OSError as e:
-                self.error = f"writing {fh.name} failed on rank 0 ({type(e).__name__}: {e}); the latest checkpoint " \
-                             "is intact"
+                self.failed(fh.name, e)
+
+    def failed(self, what, e):
+        """Keep the first failed write (main() stops every rank on it)."""
+        self.error = self.error or f"writing {what} failed on rank 0 ({type(e).__name__}: {e}); the latest " \
+                                   "checkpoint is intact"
 
     def line(self, msg):
         if self.rank == 0:
             self.write(self.text, msg + "\n")
             try:
                 tqdm.write(msg)  # above the bar, in a terminal
-            except OSError as e:  # stdout redirected to a full disk (a Slurm log): kept, as write() does
-                self.error = self.error or f"writing stdout failed on rank 0 ({type(e).__name__}: {e}); the " \
-                                           "latest checkpoint is intact"
+            except OSError as e:  # stdout redirected to a full disk (a Slurm log)
+                self.failed("stdout", e)
 
     def keep_metrics_until(self, step):
         if self.rank == 0:  # keep_metric_lines replaces the file: reopen it
@@ -2257,20 +2270,21 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     trainable of the plain model, per_rank after wrapping), the batch layout, what is ignored, how
     many validation rows (of n_val) each evaluation reads, what is saved and kept."""
     t, c, device = cfg.train, cfg.checkpoint, topo.device
-    headline, notes = describe_strategy(cfg, one=cfg.fsdp.auto_wrap == "auto" and params["total"] < ONE_UNIT_BELOW)
+    one = one_unit(cfg.fsdp, params["total"])
+    headline, notes = describe_strategy(cfg, one=one)
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(headline)
     log.line(loss_precision(cfg))
     if t.compile:
         mode = compile_mode(cfg, params["total"], topo.world)
-        log.line(f"compile: {'each block' if t.strategy == 'fsdp2' or t.compile_scope == 'blocks' else 'the model'}"
+        log.line(f"compile: {'each block' if compiles_blocks(cfg) else 'the model'}"
                  f", mode {mode}{' (CUDA graphs on a GPU)' if mode == 'reduce-overhead' else ''}")
     if t.strategy in ("fsdp", "fsdp2") and cfg.fsdp.auto_wrap == "auto":
         log.line("--auto-wrap auto: " + (
             f"the whole model is one FSDP unit (under {ONE_UNIT_BELOW // 10 ** 6}M parameters per-block units cost "
             "host time each step and save little memory); --auto-wrap module makes each block a unit"
-            if params["total"] < ONE_UNIT_BELOW else "each block is an FSDP unit (the module rule)"))
+            if one else "each block is an FSDP unit (the module rule)"))
     log.line(f"parameters: total {params['total']:,} | trainable {params['trainable']:,} | on rank 0 "
              f"{params['per_rank'][0]:,} (fewest on a rank {min(params['per_rank']):,}, "
              f"most {max(params['per_rank']):,})")
@@ -2642,7 +2656,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
         agree(lambda: check_init_from(c.init_from, shapes), rank)
 
     decay_names = {n for n, p in model.named_parameters() if p.dim() >= 2}
-    params = {"total": sum(p.numel() for p in model.parameters()),
+    params = {"total": parameter_count(model),
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     # For MFU: the model's own count of training flops per token, or, for a model that has none
     # (one of yours through the seams), the usual estimate of 6 per parameter.
@@ -2709,7 +2723,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             stop = torch.tensor([stop_flag["signal"], int(log.error is not None)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=topo.control)
             if stop[1].item():  # rank 0 could not write the log (a full disk): every rank stops
-                raise RunFailed(log.error or "rank 0 could not write the run's log")
+                raise RunFailed(log.error or "rank 0 could not write the run's log")  # (other ranks have none)
             stop = stop[:1]
             last = step == plan.max_steps - 1
             if (step + 1) % t.log_every == 0 or last:
@@ -2764,7 +2778,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     failed = torch.tensor([int(log.error is not None)])
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=topo.control)  # also the barrier: every rank has ended
     if failed.item():
-        raise RunFailed(log.error or "rank 0 could not write the run's log")
+        raise RunFailed(log.error or "rank 0 could not write the run's log")  # (other ranks have none)
     if lock:
         lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:
