@@ -575,7 +575,7 @@ def comparable_losses(model, x, y, parts):
     uniform under the prior), and prior_ce, the CE with Z drawn from the prior as in generation
     (one more forward). Returns (nll_bound, {"nll_bound", "prior_ce"})."""
     prior_logits, _ = model(x, mode="inference")
-    prior_ce = F.cross_entropy(prior_logits.float().reshape(-1, prior_logits.shape[-1]), y.reshape(-1))
+    prior_ce, _ = lm_loss(prior_logits, y)  # no latent: the CE alone
     bound = parts["ce"] + parts["kl"]
     return bound, {"nll_bound": bound, "prior_ce": prior_ce}
 
