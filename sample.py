@@ -17,14 +17,13 @@ import importlib
 import json
 import math
 import os
-import pickle
-import re
 import sys
 
 import torch
 
 import data as data_lib
 import model as model_lib
+import train_fsdp
 
 
 def find_checkpoint(path):
@@ -53,11 +52,9 @@ def load_model(path, device):
     """An unwrapped model from a consolidated checkpoint, in eval mode, plus the checkpoint."""
     path = find_checkpoint(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only
-    except pickle.UnpicklingError as e:  # torch stopped before anything in it ran
-        found = re.search(r"GLOBAL (\S+)", str(e))
-        fail(f"refused to load {path}: " + (f"it asks for {found[1]}, which no checkpoint holds (a pickle that can "
-                                            "run code)" if found else "not tensors and plain values (damaged?)"))
+        ckpt = train_fsdp.load_weights_only(path)  # tensors and plain values only, as every load of the trainer
+    except train_fsdp.BadInput as e:  # a pickle that would run code: refused before anything in it ran
+        fail(str(e))
     except Exception as e:  # truncated, say (RuntimeError, OSError, ...): torch's own message is a traceback deep
         fail(f"--ckpt {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}): the checkpoint is "
              "damaged; export it again, or sample another")
