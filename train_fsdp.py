@@ -166,8 +166,8 @@ class TrainConfig:
                              "model) or blocks (each block in place before wrapping: identical blocks share one "
                              "graph, so compiling takes one block's time); fsdp2 always compiles each block",
                              ["model", "blocks"])
-    compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters "
-                            "except FSDP on several processes, else default), default, reduce-overhead (CUDA graphs: "
+    compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters, "
+                            "else default), default, reduce-overhead (CUDA graphs: "
                             "one launch for a graph's kernels, for small models on a GPU), max-autotune-no-cudagraphs",
                             ["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
@@ -488,7 +488,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
     regional = cfg.train.compile and compiles_blocks(cfg)
-    mode = compile_mode(cfg, parameter_count(model), topo.world)  # counted before sharding
+    mode = compile_mode(cfg, parameter_count(model))  # counted before sharding
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
             b.compile(mode=mode)
@@ -574,16 +574,15 @@ def compiles_blocks(cfg):
     return cfg.train.strategy == "fsdp2" or cfg.train.compile_scope == "blocks"
 
 
-def compile_mode(cfg, n_params, world):
+def compile_mode(cfg, n_params):
     """--compile-mode auto: CUDA graphs (reduce-overhead) for a model under ONE_UNIT_BELOW
     parameters, whose step is kernel launches more than kernels (10.7M on one H200: none 15 -> 8
-    ms a step, fsdp 21 -> 13, ddp on 2 GPUs 16 -> 8), except FSDP on several processes, where
-    graphs are not measured yet (FSDP frees and gathers its parameters every step); default above
-    100M, where graphs gained nothing (1b: 306 against 307 ms) and hold a memory pool of their own."""
+    ms a step, fsdp 21 -> 13, ddp on 2 GPUs 16 -> 8; fsdp on 2 H200s 26 -> 18, fsdp2 35 -> 24, with
+    the same losses); default above 100M, where graphs gained nothing (1b: 306 against 307 ms)
+    and hold a memory pool of their own."""
     if cfg.train.compile_mode != "auto":
         return cfg.train.compile_mode
-    sharded = cfg.train.strategy in ("fsdp", "fsdp2") and world > 1
-    return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not sharded else "default"
+    return "reduce-overhead" if n_params < ONE_UNIT_BELOW else "default"
 
 
 def init_order(model, units):
@@ -2113,7 +2112,7 @@ class RunLog:
         self.metrics(rec)
         parts = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
         self.line(f"step {rec['step']:>6} | {parts} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | "
-                  f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * rec['step_time_s']:.0f} ms/step" +
+                  f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * rec['step_time_s']:.1f} ms/step" +
                   (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
                   f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
 
@@ -2277,7 +2276,7 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     log.line(headline)
     log.line(loss_precision(cfg))
     if t.compile:
-        mode = compile_mode(cfg, params["total"], topo.world)
+        mode = compile_mode(cfg, params["total"])
         log.line(f"compile: {'each block' if compiles_blocks(cfg) else 'the model'}"
                  f", mode {mode}{' (CUDA graphs on a GPU)' if mode == 'reduce-overhead' else ''}")
     if t.strategy in ("fsdp", "fsdp2") and cfg.fsdp.auto_wrap == "auto":

@@ -219,3 +219,15 @@ def test_auto_wrap_makes_a_small_model_one_unit(size, one):
     cfg.fsdp.auto_wrap = "module"
     assert train_fsdp.shard_units(model, wrap, cfg) == blocks
 
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "ddp", "none"])
+def test_compile_mode_auto_takes_cuda_graphs_under_100m_parameters(strategy):
+    """--compile-mode auto (the default): CUDA graphs (reduce-overhead) under 100M parameters
+    under every strategy, the default mode from 100M on; a mode that was set is kept."""
+    cfg = train_fsdp.parse_config(["--strategy", strategy])
+    assert cfg.train.compile_mode == "auto"
+    assert train_fsdp.compile_mode(cfg, train_fsdp.ONE_UNIT_BELOW - 1) == "reduce-overhead"
+    assert train_fsdp.compile_mode(cfg, train_fsdp.ONE_UNIT_BELOW) == "default"
+    cfg = train_fsdp.parse_config(["--strategy", strategy, "--compile-mode", "default"])
+    assert train_fsdp.compile_mode(cfg, 10) == "default"
