@@ -7,6 +7,10 @@
 # PART 1 (default): the runs above. PART 2: after --auto-wrap auto and --compile-mode: start-up
 # and step of none / default fsdp / fsdp2 with CUDA graphs or not against nanoGPT, and on 2 GPUs
 # ddp against the default fsdp and fsdp2 (auto) and per-block units (module).
+# PART 3 (one GPU): the 1b step's knobs (strategy, micro-batch, a sync every step or not) and a
+# profile of it. PART 3s (one GPU): the small model's start-up, cold and warm, whole model
+# against blocks, profiled. PART 4 (two GPUs): the small model under ddp / fsdp / fsdp2 with and
+# without CUDA graphs, profiled. Profiles go to RESULTS_DIR/traces*.txt (tools/trace_top.py).
 set -uo pipefail
 CORPUS=$1; R=$2; PART=${3:-1}; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
 SB="python tools/startup_bench.py"
@@ -21,6 +25,59 @@ T="python train_fsdp.py"
 NG="python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iters=1 --log_interval=10"
 RO="--compile-mode reduce-overhead"
 TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
+PROF="python tools/trace_top.py"
+if [ "$PART" = 3 ]; then
+  B="--compile-scope blocks"
+  $SB --skip 8 $R/part3_1b.json \
+    "1b fsdp mb12=$T $ONE $B --out-dir $W/a" \
+    "1b fsdp mb12 log-every 8=$T $ONE $B --max-steps 40 --log-every 8 --out-dir $W/a" \
+    "1b none mb12=$T $ONE $B --strategy none --out-dir $W/a" \
+    "1b fsdp2 mb12=$T $ONE --strategy fsdp2 --out-dir $W/a" \
+    "1b fsdp mb16=$T $ONE $B --micro-batch 16 --global-batch 16 --out-dir $W/a" \
+    "1b fsdp mb12 profiled=$T $ONE $B --max-steps 6 --profile --out-dir $W/prof-1b" > $R/part3_1b.log 2>&1
+  $PROF $W/prof-1b 20 > $R/traces.txt 2>&1
+  python -c "import bench; print(f'GEMM {bench.gemm_tflops():.0f} TFLOP/s')" >> $R/part3_1b.log
+  cat $R/part3_1b.log
+  exit 0
+fi
+if [ "$PART" = 3s ]; then
+  B="--compile-scope blocks"
+  $SB $R/part3_small.json \
+    "nanoGPT compile=cd ${NANOGPT:-.} && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng $NG --out_dir=$W/ng" \
+    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
+    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
+    "fsdp blocks cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-fb $T $SMALL $B --cache-dir $W/dc4 --out-dir $W/p2" \
+    "fsdp blocks warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-fb $T $SMALL $B --cache-dir $W/dc4 --out-dir $W/p2" \
+    "none profiled=$T $SMALL --strategy none --max-steps 6 --profile --cache-dir $W/dc1 --out-dir $W/prof-n" \
+    "fsdp profiled=$T $SMALL --max-steps 6 --profile --cache-dir $W/dc1 --out-dir $W/prof-f" > $R/part3_small.log 2>&1
+  for d in prof-n prof-f; do $PROF $W/$d 20 >> $R/traces_small.txt 2>&1; done
+  cat $R/part3_small.log
+  exit 0
+fi
+if [ "$PART" = 4 ]; then
+  RO="--compile-mode reduce-overhead"
+  # One GPU each, side by side: the rotary tables inside the compiled graph (BEFORE=a checkout
+  # of e5b055e) and outside it; the default fsdp path against nanoGPT.
+  (cd ${BEFORE:-.} && CUDA_VISIBLE_DEVICES=0 python $OLDPWD/tools/startup_bench.py $R/part4_rope.json \
+    "none rope in graph=$T $SMALL --strategy none --cache-dir $W/dc0 --out-dir $W/r0" \
+    "fsdp rope in graph=$T $SMALL --cache-dir $W/dc0 --out-dir $W/r0" > $R/part4_rope.log 2>&1) &
+  CUDA_VISIBLE_DEVICES=1 $SB $R/part4_one.json \
+    "nanoGPT compile=cd ${NANOGPT:-.} && $NG --out_dir=$W/ng" \
+    "none=$T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/r1" \
+    "fsdp=$T $SMALL --cache-dir $W/dc1 --out-dir $W/r1" > $R/part4_one.log 2>&1
+  wait
+  cat $R/part4_rope.log $R/part4_one.log
+  $SB $R/part4.json \
+    "2gpu ddp=$TR $SMALL --strategy ddp --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp=$TR $SMALL --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp graphs=$TR $SMALL $RO --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp2=$TR $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/t" \
+    "2gpu fsdp2 graphs=$TR $SMALL --strategy fsdp2 $RO --cache-dir $W/dc1 --out-dir $W/t" > $R/part4.log 2>&1
+  cat $R/part4.log
+  exit 0
+fi
 if [ "$PART" = 2 ]; then
   (export CUDA_VISIBLE_DEVICES=1; $SB $R/part2_gpu1.json \
     "fsdp module=$T $SMALL --auto-wrap module --cache-dir $W/dc3 --out-dir $W/p3" \
