@@ -577,8 +577,8 @@ def compiles_blocks(cfg):
 def compile_mode(cfg, n_params):
     """--compile-mode auto: CUDA graphs (reduce-overhead) for a model under ONE_UNIT_BELOW
     parameters, whose step is kernel launches more than kernels (10.7M on one H200: none 15 -> 8
-    ms a step, fsdp 21 -> 13, ddp on 2 GPUs 16 -> 8; fsdp on 2 H200s 26 -> 18, fsdp2 35 -> 24, with
-    the same losses); default above 100M, where graphs gained nothing (1b: 306 against 307 ms)
+    ms a step, fsdp 21 -> 13, ddp on 2 GPUs 16 -> 8; fsdp on 2 H200s 26 -> 18, fsdp2 35 -> 24, the
+    same losses at step 10); default above 100M, where graphs gained nothing (1b: 306 against 307 ms)
     and hold a memory pool of their own."""
     if cfg.train.compile_mode != "auto":
         return cfg.train.compile_mode

@@ -9,8 +9,9 @@
 # ddp against the default fsdp and fsdp2 (auto) and per-block units (module).
 # PART 3 (one GPU): the 1b step's knobs (strategy, micro-batch, a sync every step or not) and a
 # profile of it. PART 3s (one GPU): the small model's start-up, cold and warm, whole model
-# against blocks, profiled. PART 4 (two GPUs): the small model under ddp / fsdp / fsdp2 with and
-# without CUDA graphs, profiled. Profiles go to RESULTS_DIR/traces*.txt (tools/trace_top.py).
+# against blocks, profiled. PART 4 (two GPUs): the rotary tables in and out of the compiled graph
+# (BEFORE=a checkout of e5b055e), then the small model under ddp / fsdp / fsdp2 with and without
+# CUDA graphs. Profiles go to RESULTS_DIR/traces*.txt (tools/trace_top.py).
 set -uo pipefail
 CORPUS=$1; R=$2; PART=${3:-1}; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
 SB="python tools/startup_bench.py"
@@ -57,7 +58,6 @@ if [ "$PART" = 3s ]; then
   exit 0
 fi
 if [ "$PART" = 4 ]; then
-  RO="--compile-mode reduce-overhead"
   # One GPU each, side by side: the rotary tables inside the compiled graph (BEFORE=a checkout
   # of e5b055e) and outside it; the default fsdp path against nanoGPT.
   (cd ${BEFORE:-.} && CUDA_VISIBLE_DEVICES=0 python $OLDPWD/tools/startup_bench.py $R/part4_rope.json \
