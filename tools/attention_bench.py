@@ -2,6 +2,7 @@
 SDPA's default choice, its built-in flash kernel and, when a provider package is importable,
 the FA4 / FA3 kernels of PyTorch's flash-attention registry; each checked against fp32 math.
 Usage: python tools/attention_bench.py [fa4 | fa3 ...]"""
+import contextlib
 import statistics
 import sys
 
@@ -17,6 +18,11 @@ def attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def chosen(backend):
+    """SDPA restricted to `backend`, or left to its own choice (None)."""
+    return sdpa_kernel(backend) if backend else contextlib.nullcontext()
+
+
 def inputs(b, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(b, h, T, D, device="cuda", dtype=dtype, generator=g).requires_grad_()
@@ -27,7 +33,7 @@ def error(backend):
     """max over output and input gradients of |x - ref| / |ref| against fp32 math (batch 1)."""
     q, k, v = inputs(1, torch.bfloat16, 1)
     dout = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16)
-    with sdpa_kernel(backend) if backend else torch.enable_grad():
+    with chosen(backend):
         out = attention(q, k, v)
     got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
@@ -44,7 +50,7 @@ def time_ms(backend, reps=20):
     for i in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with sdpa_kernel(backend) if backend else torch.enable_grad():
+        with chosen(backend):
             out = attention(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
         end.record()

@@ -27,8 +27,8 @@ NG="python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iter
 RO="--compile-mode reduce-overhead"
 TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
 PROF="python tools/trace_top.py"
+B="--compile-scope blocks"
 if [ "$PART" = 3 ]; then
-  B="--compile-scope blocks"
   $SB --skip 8 $R/part3_1b.json \
     "1b fsdp mb12=$T $ONE $B --out-dir $W/a" \
     "1b fsdp mb12 log-every 8=$T $ONE $B --max-steps 40 --log-every 8 --out-dir $W/a" \
@@ -42,7 +42,6 @@ if [ "$PART" = 3 ]; then
   exit 0
 fi
 if [ "$PART" = 3s ]; then
-  B="--compile-scope blocks"
   $SB $R/part3_small.json \
     "nanoGPT compile=cd ${NANOGPT:-.} && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng $NG --out_dir=$W/ng" \
     "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
