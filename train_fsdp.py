@@ -164,7 +164,8 @@ class TrainConfig:
                         "loss")
     compile_scope: str = opt("model", "what --compile compiles under fsdp, ddp and none: model (the whole wrapped "
                              "model) or blocks (each block in place before wrapping: identical blocks share one "
-                             "graph, so compiling takes one block's time); fsdp2 always compiles each block",
+                             "graph, so compiling takes one block's time); fsdp2 compiles each block whenever the "
+                             "blocks are FSDP units",
                              ["model", "blocks"])
     compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters, "
                             "else default), default, reduce-overhead (CUDA graphs: "
@@ -487,27 +488,29 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
-    regional = cfg.train.compile and compiles_blocks(cfg)
-    mode = compile_mode(cfg, parameter_count(model))  # counted before sharding
+    n_params = parameter_count(model)  # before sharding
+    regional = cfg.train.compile and compiles_blocks(cfg, n_params)
+    mode = compile_mode(cfg, n_params)
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place: the class stays, so the wrap rules and checkpointing still find it
             b.compile(mode=mode)
     if strategy == "fsdp2":
-        return fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode)
-    materialise = meta_init_fn(model, init_fn, device) if f.meta_init else None
-    if strategy == "fsdp":
-        model = FSDP(model, param_init_fn=materialise, **fsdp_kwargs(cfg, units, topo))
+        model = fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode if regional else None)
     else:
-        for m in init_order(model, units) if f.meta_init else []:
-            materialise(m)
-        if strategy == "ddp":
-            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
-            model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+        materialise = meta_init_fn(model, init_fn, device) if f.meta_init else None
+        if strategy == "fsdp":
+            model = FSDP(model, param_init_fn=materialise, **fsdp_kwargs(cfg, units, topo))
         else:
-            model = model.to(device)
-    if f.activation_checkpointing:
-        checkpoint_blocks(model, blocks[::f.ac_every])
+            for m in init_order(model, units) if f.meta_init else []:
+                materialise(m)
+            if strategy == "ddp":
+                # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+                model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                            gradient_as_bucket_view=True)
+            else:
+                model = model.to(device)
+        if f.activation_checkpointing:
+            checkpoint_blocks(model, blocks[::f.ac_every])
     if cfg.train.compile and not regional:
         model = torch.compile(model, mode=mode)
     return model
@@ -569,9 +572,11 @@ def one_unit(f, n_params):
     return f.auto_wrap == "auto" and n_params < ONE_UNIT_BELOW
 
 
-def compiles_blocks(cfg):
-    """--compile compiles each block (fsdp2 always; the others under --compile-scope blocks)."""
-    return cfg.train.strategy == "fsdp2" or cfg.train.compile_scope == "blocks"
+def compiles_blocks(cfg, n_params):
+    """--compile compiles each block: under --compile-scope blocks, and under fsdp2 whenever the
+    blocks are units of their own (a graph would break at every unit's hooks). An fsdp2 model of
+    one unit (the root) is compiled whole, its hooks outside the graph, like the others."""
+    return cfg.train.compile_scope == "blocks" or (cfg.train.strategy == "fsdp2" and not one_unit(cfg.fsdp, n_params))
 
 
 def compile_mode(cfg, n_params):
@@ -703,8 +708,9 @@ def fsdp_kwargs(cfg, units, topo):
     )
 
 
-def fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode):
-    """FSDP2. Activation checkpointing, then torch.compile of each block (torchtitan's order),
+def fully_shard_model(model, units, blocks, cfg, topo, init_fn, block_mode):
+    """FSDP2. Activation checkpointing, then torch.compile of each block in `block_mode` (None: no
+    block compiled; torchtitan's order),
     then fully_shard on each unit bottom-up and on the root. FULL_SHARD and HYBRID_SHARD reshard
     after forward (except the last block and the root, needed first in backward), SHARD_GRAD_OP
     and _HYBRID_SHARD_ZERO2 keep the gathered parameters until backward. A meta-device model is
@@ -714,11 +720,11 @@ def fully_shard_model(model, units, blocks, cfg, topo, init_fn, mode):
     outer = {b: b for b in blocks}  # the outermost module standing for each block
     if f.activation_checkpointing:
         outer.update(checkpoint_blocks(model, blocks[::f.ac_every]))
-    if cfg.train.compile:
+    if block_mode:
         parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
         for b in blocks:
             parent, name = parents[outer[b]]
-            outer[b] = torch.compile(outer[b], mode=mode)
+            outer[b] = torch.compile(outer[b], mode=block_mode)
             parent.register_module(name, outer[b])
     kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
@@ -2277,7 +2283,7 @@ def log_summary(log, cfg, topo, plan, params, n_val):
     log.line(loss_precision(cfg))
     if t.compile:
         mode = compile_mode(cfg, params["total"])
-        log.line(f"compile: {'each block' if compiles_blocks(cfg) else 'the model'}"
+        log.line(f"compile: {'each block' if compiles_blocks(cfg, params['total']) else 'the model'}"
                  f", mode {mode}{' (CUDA graphs on a GPU)' if mode == 'reduce-overhead' else ''}")
     if t.strategy in ("fsdp", "fsdp2") and cfg.fsdp.auto_wrap == "auto":
         log.line("--auto-wrap auto: " + (

@@ -77,7 +77,7 @@ model = build(sys.argv[1:])
 compiled = torch._dynamo.eval_frame.OptimizedModule
 def describe(m):
     inner = m._orig_mod if isinstance(m, compiled) else m
-    return {"fsdp": isinstance(m, FSDPModule), "compiled": isinstance(m, compiled),
+    return {"fsdp": isinstance(m, FSDPModule) or isinstance(inner, FSDPModule), "compiled": isinstance(m, compiled),
             "checkpointed": isinstance(inner, CheckpointWrapper)}
 print(json.dumps({"root": describe(model), "blocks": [describe(b) for b in model.blocks],
                   "latent": describe(model.latent)}))
@@ -102,6 +102,20 @@ def test_fsdp2_compiles_each_block_before_sharding_it():
     assert built["root"] == {"fsdp": True, "compiled": False, "checkpointed": False}
     assert built["blocks"] == [{"fsdp": True, "compiled": True, "checkpointed": i % 2 == 0} for i in range(4)]
     assert built["latent"] == {"fsdp": True, "compiled": False, "checkpointed": False}
+
+
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_fsdp2_compiles_a_model_of_one_unit_whole(scope):
+    """fsdp2 with the root its only unit (--auto-wrap auto on a small model): no unit's hooks run
+    between the blocks, so --compile compiles the sharded model whole (the hooks stay outside the
+    graph, as under fsdp); --compile-scope blocks compiles each block in place instead."""
+    argv = ["--strategy", "fsdp2", "--compile", "--compile-scope", scope, "--arch", "free", "--latent-bits", "4",
+            "--n-layer", "4", "--d-model", "32", "--n-head", "2"]
+    built = run_build_script(WRAP_SCRIPT, argv)
+    whole = scope == "model"
+    assert built["root"] == {"fsdp": True, "compiled": whole, "checkpointed": False}
+    assert built["blocks"] == [{"fsdp": False, "compiled": not whole, "checkpointed": False}] * 4
+    assert built["latent"] == {"fsdp": False, "compiled": False, "checkpointed": False}
 
 
 ROPE_SCRIPT = BUILD_PRELUDE + r"""

@@ -34,6 +34,8 @@ def runs(tmp_path_factory):
         "plain": [],
         "compiled": ["--compile"],
         "compiled_blocks": ["--compile", "--compile-scope", "blocks"],
+        "fsdp2_one_unit": ["--strategy", "fsdp2", "--auto-wrap", "auto"],
+        "fsdp2_one_unit_compiled": ["--strategy", "fsdp2", "--auto-wrap", "auto", "--compile"],
         "scaled": ["--lr-scale-base-batch", "4", "--lr", "1e-3"],
         "epochs": ["--max-steps", "0", "--epochs", "0.0005", "--dataset", "synthetic"],
         "profiled": ["--profile"],
@@ -55,6 +57,19 @@ def test_compile_with_fsdp_matches_eager(runs):
 def test_compiling_each_block_matches_eager(runs):
     """--compile-scope blocks: each block compiled in place before FSDP wraps it, same losses."""
     assert_same(runs["compiled_blocks"][0], runs["plain"][0], rel=1e-4)
+
+
+def test_compiled_fsdp2_of_one_unit_matches_eager_and_saves_the_same_keys(runs):
+    """fsdp2 with the root its only unit is compiled whole: the same losses as eager, and the
+    consolidated model.pt holds the same tensors under the same names (no compile prefix)."""
+    assert_same(runs["fsdp2_one_unit_compiled"][0], runs["fsdp2_one_unit"][0], rel=1e-4)
+    with open(os.path.join(runs["fsdp2_one_unit_compiled"][2], "training_log.txt")) as fh:
+        assert "compile: the model" in fh.read()
+    saved = [torch.load(os.path.join(runs[name][2], "checkpoints", "step_0000005", "model.pt"))["model"]
+             for name in ("fsdp2_one_unit_compiled", "fsdp2_one_unit")]
+    assert sorted(saved[0]) == sorted(saved[1])
+    for k in saved[1]:
+        torch.testing.assert_close(saved[0][k], saved[1][k], rtol=1e-4, atol=1e-6)
 
 
 def test_linear_lr_scaling_with_global_batch(runs):

@@ -11,7 +11,15 @@
 # profile of it. PART 3s (one GPU): the small model's start-up, cold and warm, whole model
 # against blocks, profiled. PART 4 (two GPUs): the rotary tables in and out of the compiled graph
 # (BEFORE=a checkout of e5b055e), then the small model under ddp / fsdp / fsdp2 with and without
-# CUDA graphs. Profiles go to RESULTS_DIR/traces*.txt (tools/trace_top.py).
+# CUDA graphs. PART 5 (four GPUs): the small model under ddp / fsdp / fsdp2 (the root its only
+# unit, compiled whole; with --compile-scope blocks, each block as before), then each one's host
+# time per step by part (tools/host_profile.py). PART 6 (one GPU): the 1b step at micro-batch 12
+# and 16 with and without gradient accumulation (fsdp, fsdp2); the small model's start-up, cold and
+# warm, with where it goes (tools/host_profile.py from the launch to the second step). Profiles go
+# to RESULTS_DIR/traces*.txt (tools/trace_top.py). PART 7 (one GPU): the same start-ups with
+# Python's bytecode cached, after a run that fills that cache (the lent machine's image has no
+# .pyc files for its packages and sets PYTHONDONTWRITEBYTECODE, so every launch compiles them
+# from source; a pip-installed PyTorch has them).
 set -uo pipefail
 CORPUS=$1; R=$2; PART=${3:-1}; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
 SB="python tools/startup_bench.py"
@@ -75,6 +83,59 @@ if [ "$PART" = 4 ]; then
     "2gpu fsdp2=$TR $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/t" \
     "2gpu fsdp2 graphs=$TR $SMALL --strategy fsdp2 $RO --cache-dir $W/dc1 --out-dir $W/t" > $R/part4.log 2>&1
   cat $R/part4.log
+  exit 0
+fi
+if [ "$PART" = 5 ]; then
+  T4="python -m torch.distributed.run --standalone --nproc_per_node 4"
+  $SB $R/part5.json \
+    "4gpu ddp=$T4 train_fsdp.py $SMALL --strategy ddp --cache-dir $W/dc1 --out-dir $W/t" \
+    "4gpu fsdp=$T4 train_fsdp.py $SMALL --cache-dir $W/dc1 --out-dir $W/t" \
+    "4gpu fsdp2=$T4 train_fsdp.py $SMALL --strategy fsdp2 --cache-dir $W/dc1 --out-dir $W/t" \
+    "4gpu fsdp2 blocks=$T4 train_fsdp.py $SMALL --strategy fsdp2 $B --cache-dir $W/dc1 --out-dir $W/t" > $R/part5.log 2>&1
+  cat $R/part5.log
+  for s in ddp fsdp fsdp2; do
+    $T4 tools/host_profile.py --steps 100:250 -- train_fsdp.py $SMALL --strategy $s --cache-dir $W/dc1 \
+      --out-dir $W/h 2>&1 | sed -n '/^host_profile/,$p' >> $R/host_profile.txt
+  done
+  cat $R/host_profile.txt
+  exit 0
+fi
+if [ "$PART" = 6 ]; then
+  A4="--max-steps 14 --global-batch 48"
+  $SB --skip 4 $R/part6_1b.json \
+    "1b fsdp mb12=$T $ONE $B --max-steps 20 --out-dir $W/a" \
+    "1b fsdp mb12 accum 4=$T $ONE $B $A4 --out-dir $W/a" \
+    "1b fsdp2 mb12 accum 4=$T $ONE --strategy fsdp2 $A4 --out-dir $W/a" \
+    "1b fsdp mb16 accum 3=$T $ONE $B $A4 --micro-batch 16 --out-dir $W/a" \
+    "1b fsdp2 mb16 accum 3=$T $ONE --strategy fsdp2 $A4 --micro-batch 16 --out-dir $W/a" > $R/part6_1b.log 2>&1
+  python -c "import bench; print(f'GEMM {bench.gemm_tflops():.0f} TFLOP/s')" >> $R/part6_1b.log
+  cat $R/part6_1b.log
+  ( time python -c "import torch; torch.zeros(1, device='cuda')" ) > $R/part6_startup.log 2>&1
+  $SB $R/part6_small.json \
+    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
+    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" >> $R/part6_startup.log 2>&1
+  for s in none:n fsdp:f; do  # warm: the caches of the runs above
+    TORCHINDUCTOR_CACHE_DIR=$W/ind-${s#*:} python tools/host_profile.py --steps 0:2 --top 60 -- train_fsdp.py \
+      $SMALL --strategy ${s%:*} --cache-dir $W/dc1 --out-dir $W/h 2>&1 | sed -n '/^host_profile/,$p' >> $R/startup_profile.txt
+  done
+  cat $R/part6_startup.log
+  exit 0
+fi
+if [ "$PART" = 7 ]; then
+  python -c 'import sys, os, torch; d = os.path.dirname(torch.__file__); print(sys.version.split()[0], "dont_write_bytecode",
+    sys.flags.dont_write_bytecode, "torch dir writable", os.access(d, os.W_OK), "__pycache__", os.path.isdir(d + "/__pycache__"))'
+  for i in 1 2; do /usr/bin/time -f "%e s: import train_fsdp" python -c "import train_fsdp"; done
+  unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$W/pyc
+  for i in 1 2; do /usr/bin/time -f "%e s: import train_fsdp, bytecode cached" python -c "import train_fsdp"; done
+  TORCHINDUCTOR_CACHE_DIR=$W/ind-0 $T $SMALL --strategy none --max-steps 12 --cache-dir $W/dc1 --out-dir $W/p0 > /dev/null 2>&1
+  $SB $R/part7_small.json \
+    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
+    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" \
+    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" > $R/part7.log 2>&1
+  cat $R/part7.log
   exit 0
 fi
 if [ "$PART" = 2 ]; then
