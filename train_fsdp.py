@@ -162,10 +162,9 @@ class TrainConfig:
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
     compile: bool = opt(False, "torch.compile the model (see --compile-scope; fsdp forces use_orig_params) and the "
                         "loss")
-    compile_scope: str = opt("model", "what --compile compiles under fsdp, ddp and none: model (the whole wrapped "
-                             "model) or blocks (each block in place before wrapping: identical blocks share one "
-                             "graph, so compiling takes one block's time); fsdp2 compiles each block whenever the "
-                             "blocks are FSDP units",
+    compile_scope: str = opt("model", "what --compile compiles: model (the whole wrapped model) or blocks (each "
+                             "block in place before wrapping: identical blocks share one graph, so compiling takes "
+                             "one block's time); fsdp2 compiles each block whenever the blocks are FSDP units",
                              ["model", "blocks"])
     compile_mode: str = opt("auto", "torch.compile mode of the model: auto (reduce-overhead under 100M parameters, "
                             "else default), default, reduce-overhead (CUDA graphs: "
