@@ -19,7 +19,8 @@
 # to RESULTS_DIR/traces*.txt (tools/trace_top.py). PART 7 (one GPU): the same start-ups with
 # Python's bytecode cached, after a run that fills that cache (the lent machine's image has no
 # .pyc files for its packages and sets PYTHONDONTWRITEBYTECODE, so every launch compiles them
-# from source; a pip-installed PyTorch has them).
+# from source; a pip-installed PyTorch has them). PART 8 (one GPU; torchao importable): the 1b
+# step in bf16 against float8 linear layers in the blocks (tools/float8_probe.py), fsdp2.
 set -uo pipefail
 CORPUS=$1; R=$2; PART=${3:-1}; mkdir -p "$R"; W=/tmp/speed; rm -rf $W; mkdir -p $W
 SB="python tools/startup_bench.py"
@@ -136,6 +137,14 @@ if [ "$PART" = 7 ]; then
     "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" \
     "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" > $R/part7.log 2>&1
   cat $R/part7.log
+  exit 0
+fi
+if [ "$PART" = 8 ]; then
+  F8="$ONE --strategy fsdp2 --max-steps 16"
+  $SB --skip 4 $R/part8.json "1b fsdp2 bf16=$T $F8 --out-dir $W/bf16" \
+    "1b fsdp2 float8=python tools/float8_probe.py train_fsdp.py $F8 --out-dir $W/f8" > $R/part8.log 2>&1
+  for d in bf16 f8; do tail -n 2 $W/$d/metrics.jsonl >> $R/part8.log; done
+  cat $R/part8.log
   exit 0
 fi
 if [ "$PART" = 2 ]; then
