@@ -708,12 +708,12 @@ def fsdp_kwargs(cfg, units, topo):
 
 
 def fully_shard_model(model, units, blocks, cfg, topo, init_fn, block_mode):
-    """FSDP2. Activation checkpointing, then torch.compile of each block in `block_mode` (None: no
-    block compiled; torchtitan's order),
-    then fully_shard on each unit bottom-up and on the root. FULL_SHARD and HYBRID_SHARD reshard
-    after forward (except the last block and the root, needed first in backward), SHARD_GRAD_OP
-    and _HYBRID_SHARD_ZERO2 keep the gathered parameters until backward. A meta-device model is
-    sharded on the meta device, then allocated (to_empty) and initialised (init_weights)."""
+    """FSDP2. Activation checkpointing, then torch.compile of each block in `block_mode` (None:
+    none; torchtitan's order), then fully_shard on each unit bottom-up and on the root.
+    FULL_SHARD and HYBRID_SHARD reshard after forward (except the last block and the root, needed
+    first in backward), SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep the gathered parameters until
+    backward. A meta-device model is sharded on the meta device, then allocated (to_empty) and
+    initialised (init_weights)."""
     f = cfg.fsdp
     order = init_order(model, units)  # before the wrappers below change the module tree
     outer = {b: b for b in blocks}  # the outermost module standing for each block
