@@ -37,6 +37,14 @@ RO="--compile-mode reduce-overhead"
 TR="python -m torch.distributed.run --standalone --nproc_per_node 2 train_fsdp.py"
 PROF="python tools/trace_top.py"
 B="--compile-scope blocks"
+# The small model's start-up under none and default fsdp, each cold (fresh compile caches) then
+# warm (the same caches again): the four NAME=COMMAND entries of startup_bench.py, in COLD_WARM.
+# $1: fsdp's data cache (dc1: the one none's runs fill; another: fsdp prepares the data again).
+cold_warm() {
+  local n="TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1"
+  local f="TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/$1 --out-dir $W/p2"
+  COLD_WARM=("none cold=$n" "none warm=$n" "fsdp cold=$f" "fsdp warm=$f")
+}
 if [ "$PART" = 3 ]; then
   $SB --skip 8 $R/part3_1b.json \
     "1b fsdp mb12=$T $ONE $B --out-dir $W/a" \
@@ -51,12 +59,10 @@ if [ "$PART" = 3 ]; then
   exit 0
 fi
 if [ "$PART" = 3s ]; then
+  cold_warm dc3
   $SB $R/part3_small.json \
     "nanoGPT compile=cd ${NANOGPT:-.} && TORCHINDUCTOR_CACHE_DIR=$W/ind-ng $NG --out_dir=$W/ng" \
-    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
-    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
+    "${COLD_WARM[@]}" \
     "fsdp blocks cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-fb $T $SMALL $B --cache-dir $W/dc4 --out-dir $W/p2" \
     "fsdp blocks warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-fb $T $SMALL $B --cache-dir $W/dc4 --out-dir $W/p2" \
     "none profiled=$T $SMALL --strategy none --max-steps 6 --profile --cache-dir $W/dc1 --out-dir $W/prof-n" \
@@ -112,11 +118,9 @@ if [ "$PART" = 6 ]; then
   python -c "import bench; print(f'GEMM {bench.gemm_tflops():.0f} TFLOP/s')" >> $R/part6_1b.log
   cat $R/part6_1b.log
   ( time python -c "import torch; torch.zeros(1, device='cuda')" ) > $R/part6_startup.log 2>&1
+  cold_warm dc3
   $SB $R/part6_small.json \
-    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" \
-    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc3 --out-dir $W/p2" >> $R/part6_startup.log 2>&1
+    "${COLD_WARM[@]}" >> $R/part6_startup.log 2>&1
   for s in none:n fsdp:f; do  # warm: the caches of the runs above
     TORCHINDUCTOR_CACHE_DIR=$W/ind-${s#*:} python tools/host_profile.py --steps 0:2 --top 60 -- train_fsdp.py \
       $SMALL --strategy ${s%:*} --cache-dir $W/dc1 --out-dir $W/h 2>&1 | sed -n '/^host_profile/,$p' >> $R/startup_profile.txt
@@ -131,11 +135,9 @@ if [ "$PART" = 7 ]; then
   unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$W/pyc
   for i in 1 2; do /usr/bin/time -f "%e s: import train_fsdp, bytecode cached" python -c "import train_fsdp"; done
   TORCHINDUCTOR_CACHE_DIR=$W/ind-0 $T $SMALL --strategy none --max-steps 12 --cache-dir $W/dc1 --out-dir $W/p0 > /dev/null 2>&1
+  cold_warm dc1
   $SB $R/part7_small.json \
-    "none cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "none warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-n $T $SMALL --strategy none --cache-dir $W/dc1 --out-dir $W/p1" \
-    "fsdp cold=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" \
-    "fsdp warm=TORCHINDUCTOR_CACHE_DIR=$W/ind-f $T $SMALL --cache-dir $W/dc1 --out-dir $W/p2" > $R/part7.log 2>&1
+    "${COLD_WARM[@]}" > $R/part7.log 2>&1
   cat $R/part7.log
   exit 0
 fi
