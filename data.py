@@ -1,7 +1,7 @@
 """Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text corpus.
 
 prepare_data() does the slow, disk-writing work once (on global rank 0): train a SentencePiece tokenizer,
-tokenize the corpus into flat uint16/uint32 token files and write a manifest. load_data() (every rank) only
+tokenize the corpus into flat uint16/uint32 token files and write a manifest. open_dataset() (every rank) only
 reads: it memory-maps those files and serves batches addressed by (step, slice of the global batch), so the
 order is a pure function of the seed and resume/any world size see exactly the same samples.
 """
@@ -331,7 +331,7 @@ def cache_dir_for(cfg: DataConfig) -> Path:
 
 def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
     """The cache's manifest if it was built from exactly these inputs and its files are complete, else None."""
-    # load_data passes no hashes: rank 0 has just checked them in prepare_data; hashing on every rank is slow.
+    # open_dataset passes no hashes: rank 0 has just checked them in prepare_data; hashing on every rank is slow.
     try:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -564,7 +564,7 @@ def random_tokens(cfg: DataConfig, seed: int) -> Dataset:
     return Dataset(train, val, seq_len, seq_len + 1, vocab, seed)
 
 
-def load_data(cfg: DataConfig, seed: int) -> Dataset:
+def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
     """The dataset for cfg, read-only; for text, prepare_data must have built the cache first."""
     check_config(cfg)
     if cfg.dataset == "synthetic":

@@ -93,7 +93,7 @@ def main(argv=None):
     a = parse(argv)
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
-    data = data_lib.load_data(data_lib.DataConfig(), a.seed)
+    data = data_lib.open_dataset(data_lib.DataConfig(), a.seed)
     cfg = model_config(a, data.vocab_size)
     model = model_lib.build_model(cfg).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -326,7 +326,7 @@ def unwrapped(state, model_cfg):
 
 def batch_loss(model, run_cfg, step=0):
     """Loss of a plain model on training step `step`'s whole global batch."""
-    ds = data_lib.load_data(data_lib.DataConfig(**run_cfg["data"]), run_cfg["train"]["seed"])
+    ds = data_lib.open_dataset(data_lib.DataConfig(**run_cfg["data"]), run_cfg["train"]["seed"])
     gb = run_cfg["train"]["global_batch"]
     x, y = ds.train_batch(step, gb, 0, gb)
     threads = torch.get_num_threads()
@@ -1092,7 +1092,7 @@ def test_exported_checkpoint_equals_a_full_checkpoint_of_the_same_step(ref2, tmp
     assert all(torch.equal(payload["model"][k], full["model"][k]) for k in full["model"])
     a = unwrapped(payload["model"], payload["config"]["model"])
     b = unwrapped(full["model"], full["config"]["model"])
-    ds = data_lib.load_data(data_lib.DataConfig(**payload["config"]["data"]), payload["config"]["train"]["seed"])
+    ds = data_lib.open_dataset(data_lib.DataConfig(**payload["config"]["data"]), payload["config"]["train"]["seed"])
     x, _ = ds.val_batch(0, 8)
     with torch.no_grad():
         assert torch.equal(a(x)[0], b(x)[0])

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
-from data import DataConfig, DataError, load_data, prepare_data  # noqa: E402
+from data import DataConfig, DataError, open_dataset, prepare_data  # noqa: E402
 
 WORDS = ("the a of and to in is was that for on with as by at from his her it be are this which or had not but they "
          "have were one all their an been has there who would more when will no if out so said what up its about into "
@@ -72,7 +72,7 @@ def row_ids(x):
 
 
 def test_synthetic_rows_have_the_papers_format():
-    ds = load_data(DataConfig(synthetic_train_samples=4096), seed=0)
+    ds = open_dataset(DataConfig(synthetic_train_samples=4096), seed=0)
     assert (ds.vocab_size, ds.seq_len, ds.n_train, ds.n_val, ds.tokenizer_path) == (32, 66, 4096, 1024, "")
     rows = full_rows(ds, ds.n_train)
     assert rows.shape == (4096, 67)
@@ -99,7 +99,7 @@ def test_synthetic_rows_have_the_papers_format():
 
 
 def test_synthetic_x_y_are_the_row_shifted_by_one():
-    ds = load_data(DataConfig(synthetic_train_samples=64), seed=0)
+    ds = open_dataset(DataConfig(synthetic_train_samples=64), seed=0)
     x, y = ds.train_batch(0, 8, 0, 8)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 66)
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -108,7 +108,7 @@ def test_synthetic_x_y_are_the_row_shifted_by_one():
 
 def test_synthetic_training_set_depends_on_seed_but_validation_does_not():
     cfg = DataConfig(synthetic_train_samples=512, synthetic_val_samples=256)
-    a, b, c = load_data(cfg, seed=1), load_data(cfg, seed=1), load_data(cfg, seed=2)
+    a, b, c = open_dataset(cfg, seed=1), open_dataset(cfg, seed=1), open_dataset(cfg, seed=2)
     assert np.array_equal(a.train_tokens, b.train_tokens)
     assert not np.array_equal(a.train_tokens, c.train_tokens)
     assert torch.equal(a.val_batch(0, 256)[0], c.val_batch(0, 256)[0])
@@ -116,7 +116,7 @@ def test_synthetic_training_set_depends_on_seed_but_validation_does_not():
 
 
 def test_synthetic_encode_decode_round_trip():
-    ds = load_data(DataConfig(synthetic_train_samples=8), seed=0)
+    ds = open_dataset(DataConfig(synthetic_train_samples=8), seed=0)
     text = "\nQ>___QQ!QQQQQ" + "_" * 51
     assert ds.decode(ds.encode(text)) == text
     assert ds.encode("\n>!_AZ") == [0, 1, 2, 3, 4, 29]
@@ -131,12 +131,12 @@ def test_synthetic_prepare_is_a_no_op(tmp_path):
 
 @pytest.mark.parametrize("seq_len", [0, 66])
 def test_synthetic_accepts_its_own_seq_len(seq_len):
-    assert load_data(DataConfig(seq_len=seq_len, synthetic_train_samples=8), seed=0).seq_len == 66
+    assert open_dataset(DataConfig(seq_len=seq_len, synthetic_train_samples=8), seed=0).seq_len == 66
 
 
 def test_synthetic_rejects_other_seq_len():
     with pytest.raises(DataError, match=r"--seq-len 100: the synthetic task's rows are 66 tokens; use 0 or 66"):
-        load_data(DataConfig(seq_len=100), seed=0)
+        open_dataset(DataConfig(seq_len=100), seed=0)
 
 
 # --- batch order ----------------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_slice_outside_global_batch_is_rejected():
 
 
 def test_val_batch_is_fixed_and_clipped():
-    ds = load_data(DataConfig(synthetic_train_samples=8, synthetic_val_samples=10), seed=0)
+    ds = open_dataset(DataConfig(synthetic_train_samples=8, synthetic_val_samples=10), seed=0)
     x, y = ds.val_batch(8, 5)
     assert x.shape == (2, 66)
     assert torch.equal(x, ds.val_batch(0, 10)[0][8:])
@@ -277,11 +277,11 @@ def test_a_corpus_of_one_window_shifts_by_what_is_left():
 
 
 def test_synthetic_and_random_rows_are_not_shifted():
-    ds = load_data(DataConfig(synthetic_train_samples=16), seed=0)
+    ds = open_dataset(DataConfig(synthetic_train_samples=16), seed=0)
     assert ds.max_shift == 0 and ds.n_shifted == ds.n_train
     x, _ = ds.train_batch(5, 8, 0, 8)  # epoch 2
     assert (x[:, 0] == data.NEWLINE).all() and (x[:, 2] == data.PROMPT_END).all()
-    assert data.load_data(DataConfig(dataset="random", seq_len=16), seed=0).max_shift == 0
+    assert data.open_dataset(DataConfig(dataset="random", seq_len=16), seed=0).max_shift == 0
 
 
 # --- text corpora ---------------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def test_synthetic_and_random_rows_are_not_shifted():
 def test_text_prepare_and_load(tmp_path, corpus, kind):
     cfg = text_cfg(tmp_path, corpus, tokenizer_type=kind)
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     manifest = json.loads((cache_dir(cfg) / "manifest.json").read_text())
     assert manifest["dtype"] == "uint16" and ds.train_tokens.dtype == np.uint16
     assert isinstance(ds.train_tokens, np.memmap)
@@ -327,18 +327,18 @@ def test_cache_fast_path_does_not_retokenize(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(data, "write_tokens", fail)
     prepare_data(cfg)
     assert train_bin.stat().st_mtime_ns == before
-    load_data(cfg, seed=0)
+    open_dataset(cfg, seed=0)
 
 
 def test_changed_corpus_is_detected_and_rebuilt(tmp_path, corpus):
     cfg = text_cfg(tmp_path, corpus)
     prepare_data(cfg)
-    n_before = load_data(cfg, seed=0).n_train
+    n_before = open_dataset(cfg, seed=0).n_train
     corpus.write_text(corpus.read_text() + english(100, seed=1))
     with pytest.raises(DataError, match="no valid token cache.*run prepare_data"):
-        load_data(cfg, seed=0)
+        open_dataset(cfg, seed=0)
     prepare_data(cfg)
-    assert load_data(cfg, seed=0).n_train > n_before
+    assert open_dataset(cfg, seed=0).n_train > n_before
 
 
 def test_same_size_same_mtime_edit_is_caught_by_the_hash(tmp_path, corpus):
@@ -349,7 +349,7 @@ def test_same_size_same_mtime_edit_is_caught_by_the_hash(tmp_path, corpus):
     os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert corpus.stat().st_size == st.st_size
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     assert np.concatenate([ds.train_tokens, ds.val_tokens]).tolist() == ds.encode(corpus.read_text())
 
 
@@ -358,15 +358,15 @@ def test_missing_bin_file_makes_cache_stale(tmp_path, corpus):
     prepare_data(cfg)
     (cache_dir(cfg) / "val.bin").unlink()
     with pytest.raises(DataError, match="no valid token cache"):
-        load_data(cfg, seed=0)
+        open_dataset(cfg, seed=0)
     prepare_data(cfg)
-    load_data(cfg, seed=0)
+    open_dataset(cfg, seed=0)
 
 
 def test_load_without_prepare_raises_and_writes_nothing(tmp_path, corpus):
     cfg = text_cfg(tmp_path, corpus)
     with pytest.raises(DataError, match="no valid token cache"):
-        load_data(cfg, seed=0)
+        open_dataset(cfg, seed=0)
     assert not (tmp_path / "cache").exists()
 
 
@@ -376,7 +376,7 @@ def test_jsonl_documents_are_joined_with_eos(tmp_path):
     path.write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n\n")
     cfg = text_cfg(tmp_path, path)
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     stream = np.concatenate([ds.train_tokens, ds.val_tokens]).tolist()
     eos = ds.sp.eos_id()
     expected = []
@@ -401,7 +401,7 @@ def test_directory_of_txt_files(tmp_path):
     (root / "notes.md").write_text("not part of the corpus")
     cfg = text_cfg(tmp_path, root)
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     manifest = json.loads((cache_dir(cfg) / "manifest.json").read_text())
     paths = [Path(f["path"]) for f in manifest["inputs"]["train"]]
     assert [p.relative_to(root.resolve()).as_posix() for p in paths] == ["a.txt", "b.txt", "sub/c.txt"]
@@ -415,7 +415,7 @@ def test_separate_val_path(tmp_path, corpus):
     val.write_text(english(40, seed=7))
     cfg = text_cfg(tmp_path, corpus, val_path=str(val))
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     assert ds.val_tokens.tolist() == ds.encode(val.read_text())
     assert ds.train_tokens.tolist() == ds.encode(corpus.read_text())
 
@@ -423,13 +423,13 @@ def test_separate_val_path(tmp_path, corpus):
 def test_existing_tokenizer_is_reused(tmp_path, corpus, monkeypatch):
     first = text_cfg(tmp_path, corpus, tokenizer_type="unigram")
     prepare_data(first)
-    model = load_data(first, seed=0).tokenizer_path
+    model = open_dataset(first, seed=0).tokenizer_path
     other = tmp_path / "other.txt"
     other.write_text(english(200, seed=9))
     monkeypatch.setattr(data, "train_tokenizer", lambda *a: pytest.fail("a given tokenizer must not be retrained"))
     cfg = text_cfg(tmp_path, other, tokenizer=model, tokenizer_vocab_size=123)
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     assert ds.tokenizer_path == model and ds.vocab_size == 400
     assert ds.train_tokens.tolist() + ds.val_tokens.tolist() == ds.encode(other.read_text())
 
@@ -438,7 +438,7 @@ def test_text_seq_len_defaults_to_512(tmp_path, corpus):
     (tmp_path / "big.txt").write_text(english(3000))
     cfg = text_cfg(tmp_path, tmp_path / "big.txt", seq_len=0, tokenizer_type="char")
     prepare_data(cfg)
-    assert load_data(cfg, seed=0).seq_len == 512
+    assert open_dataset(cfg, seed=0).seq_len == 512
 
 
 # --- input errors ---------------------------------------------------------------------------------------------------
@@ -498,7 +498,7 @@ def test_bad_tokenizer_type(tmp_path, corpus):
 
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 0.6])
 def test_bad_val_fraction(tmp_path, corpus, fraction):
-    raises_one_line(rf"--val-fraction {re.escape(str(fraction))}: must be in \(0, 0\.5\]", load_data,
+    raises_one_line(rf"--val-fraction {re.escape(str(fraction))}: must be in \(0, 0\.5\]", open_dataset,
                     text_cfg(tmp_path, corpus, val_fraction=fraction), 0)
 
 
@@ -524,7 +524,7 @@ def test_failed_prepare_leaves_no_valid_cache(tmp_path, corpus):
     with pytest.raises(DataError):
         prepare_data(cfg)
     with pytest.raises(DataError, match="no valid token cache"):
-        load_data(cfg, seed=0)
+        open_dataset(cfg, seed=0)
 
 
 def test_interrupted_rebuild_never_looks_valid(tmp_path, corpus, monkeypatch):
@@ -540,22 +540,22 @@ def test_interrupted_rebuild_never_looks_valid(tmp_path, corpus, monkeypatch):
         prepare_data(cfg)
     assert (cache_dir(cfg) / "train.bin").exists()  # the old file is still there, but without a manifest
     with pytest.raises(DataError, match="no valid token cache"):
-        load_data(cfg, seed=0)
+        open_dataset(cfg, seed=0)
     monkeypatch.undo()
     prepare_data(cfg)
-    ds = load_data(cfg, seed=0)
+    ds = open_dataset(cfg, seed=0)
     assert np.concatenate([ds.train_tokens, ds.val_tokens]).tolist() == ds.encode(corpus.read_text())
 
 
 def test_random_tokens_for_benchmarks():
     cfg = data.DataConfig(dataset="random", seq_len=64, tokenizer_vocab_size=70000)
     data.prepare_data(cfg)  # nothing to prepare
-    ds = data.load_data(cfg, seed=3)
+    ds = data.open_dataset(cfg, seed=3)
     x, y = ds.train_batch(2, 8, 0, 8)
     assert x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1])
     assert ds.vocab_size == 70000 and ds.train_tokens.dtype == np.uint32 and int(x.max()) < 70000
-    assert torch.equal(data.load_data(cfg, seed=3).train_batch(2, 8, 0, 8)[0], x)
-    assert not torch.equal(data.load_data(cfg, seed=4).train_batch(2, 8, 0, 8)[0], x)
+    assert torch.equal(data.open_dataset(cfg, seed=3).train_batch(2, 8, 0, 8)[0], x)
+    assert not torch.equal(data.open_dataset(cfg, seed=4).train_batch(2, 8, 0, 8)[0], x)
     assert ds.val_batch(0, 100)[0].shape == (data.RANDOM_ROWS[1], 64)
 
 

@@ -377,7 +377,7 @@ def test_full_state_dict_loads_into_unwrapped_model(two):
     model = model_lib.build_model(cfg)
     model.load_state_dict(ckpt["model"])
     model.eval()
-    ds = data_lib.load_data(data_lib.DataConfig(**ckpt["config"]["data"]), ckpt["config"]["train"]["seed"])
+    ds = data_lib.open_dataset(data_lib.DataConfig(**ckpt["config"]["data"]), ckpt["config"]["train"]["seed"])
     x, y = ds.val_batch(0, 16)
     with torch.no_grad():
         logits, _ = model(x)

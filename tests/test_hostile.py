@@ -243,7 +243,7 @@ def test_a_failed_rebuild_leaves_the_old_cache_as_it_was(tmp_path):
     assert snapshot(tmp_path / "cache") == before
     corpus.write_text(GOOD + GOOD)  # fixed: rebuilt in place of the old one
     data_lib.prepare_data(cfg)
-    assert len(data_lib.load_data(cfg, seed=0).train_tokens) > len(english(60))
+    assert len(data_lib.open_dataset(cfg, seed=0).train_tokens) > len(english(60))
     (entry,) = os.listdir(tmp_path / "cache")  # no temporary or set-aside directory left
     assert sorted(os.listdir(tmp_path / "cache" / entry)) == [
         "manifest.json", "tokenizer.model", "tokenizer.vocab", "train.bin", "val.bin"]

@@ -134,7 +134,7 @@ def reference_grad_norm(run_dir):
         cfg = json.load(fh)
     torch.manual_seed(cfg["train"]["seed"])
     model = model_lib.build_model(model_lib.ModelConfig(**cfg["model"]))
-    ds = data_lib.load_data(data_lib.DataConfig(**cfg["data"]), cfg["train"]["seed"])
+    ds = data_lib.open_dataset(data_lib.DataConfig(**cfg["data"]), cfg["train"]["seed"])
     gb = cfg["train"]["global_batch"]
     x, y = ds.train_batch(0, gb, 0, gb)
     logits, _ = model(x)

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data as D  # noqa: E402
 import model as M  # noqa: E402
 
-d = D.load_data(D.DataConfig(), 0)
+d = D.open_dataset(D.DataConfig(), 0)
 x, _ = d.train_batch(0, 8, 0, 8)
 for shape in [(4, 64, 4, 8), (4, 128, 4, 8), (6, 384, 6, 16), (12, 768, 12, 16), (16, 2048, 32, 16)]:
     L, W, nh, H = shape
