@@ -58,7 +58,7 @@ class DataConfig:
 
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
-FORMAT_VERSION = 1  # bump when the cache layout changes so old caches read as stale
+FORMAT_VERSION = 2  # bump when the cache layout changes so old caches read as stale
 HASH_LIMIT = 64 << 20  # bytes hashed per check at most; the rest is trusted on size + mtime to keep checks fast
 ENCODE_LINES = 8192  # lines per sp.encode call: bounds memory on huge files without losing the threads' speed-up
 THREADS = min(16, os.cpu_count() or 1)
@@ -277,8 +277,7 @@ def content_hashes(paths: list[Path]) -> dict:
         size = path.stat().st_size
         if size <= budget:
             budget -= size
-            with open(path, "rb") as f:
-                hashes[str(path)] = hashlib.file_digest(f, "sha256").hexdigest()
+            hashes[str(path)] = file_sha256(path)
     return hashes
 
 
@@ -300,18 +299,26 @@ def resolve_inputs(cfg: DataConfig):
     return train, val, model, inputs
 
 
-def data_digests(manifest: dict) -> dict:
-    """{source: digest} of what a cache was built from: each corpus file's sha256 or, beyond the bytes
-    hashed (HASH_LIMIT), its size and mtime (as the cache itself judges a change), and the sha256 of
-    the tokenizer. The same path may come to hold other text, and a retrained tokenizer may give the
-    same ids to other pieces: a resumed run compares these with its checkpoint's."""
-    hashes = manifest.get("sha256", {})
-    files = [("corpus", f) for f in manifest["inputs"]["train"]] + [("validation corpus", f)
-                                                                   for f in manifest["inputs"]["val"]]
-    digests = {f"{kind} {f['path']}": hashes.get(f["path"]) or f"{f['size']} bytes, mtime_ns {f['mtime_ns']}"
-               for kind, f in files}
-    with open(manifest["tokenizer_path"], "rb") as fh:
-        digests["tokenizer"] = hashlib.file_digest(fh, "sha256").hexdigest()
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def tokenizer_digest(sp: spm.SentencePieceProcessor) -> str:
+    """sha256 of each id's piece, score and kind: what encoding and decoding depend on. Not of the
+    .model file, whose bytes also record where and how it was trained (staging directory, threads)."""
+    kinds = (sp.is_unknown, sp.is_control, sp.is_unused, sp.is_byte)
+    table = [[sp.id_to_piece(i), sp.get_score(i), [is_kind(i) for is_kind in kinds]] for i in range(sp.vocab_size())]
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
+
+def data_digests(train_paths: list[Path], val_paths: list[Path], hashes: dict, sp) -> dict:
+    """{source: digest} of what the rows are made of: each corpus file's bytes and the tokenizer's
+    pieces. A resumed run compares them with its checkpoint's. Taken once, when the cache is built:
+    a large corpus is then read anyway, and an unchanged one gives the same digests again."""
+    files = [("corpus", p) for p in train_paths] + [("validation corpus", p) for p in val_paths]
+    digests = {f"{kind} {p}": hashes.get(str(p)) or file_sha256(p) for kind, p in files}
+    digests["tokenizer"] = tokenizer_digest(sp)
     return digests
 
 
@@ -542,11 +549,13 @@ def build_cache(cfg, sources, identity: dict, tmp: Path, out: Path) -> dict:
         n_val = min(n_train, max(1, math.ceil(n_train * cfg.val_fraction)))
         split_tail(tmp / "train.bin", tmp / "val.bin", dtype, n_train, n_val)
         n_train -= n_val
+    digests = data_digests(train_paths, val_paths, identity["sha256"], sp)
     settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
     tokenizer_path = model if cfg.tokenizer else out / model.name  # where the trained one will be after the rename
     manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": settings,
                 "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
-                "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction}
+                "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction,
+                "digests": digests}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -584,4 +593,4 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
     train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
     sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
     return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]),
-                   shift_windows=True, digests=data_digests(manifest))
+                   shift_windows=True, digests=manifest["digests"])
