@@ -88,3 +88,31 @@ def test_posterior_ce_equals_prior_ce_when_the_encoder_is_uniform():
     assert latent["z_logits"].abs().max() == 0 and parts["kl"] == 0
     assert comparable["prior_ce"] == parts["ce"]
     assert comparable["nll_bound"] == parts["ce"]
+
+
+def test_prior_ce_reads_z_from_the_prior_not_the_encoder():
+    """An encoder that is sure of every bit picks other codes than the prior does: prior_ce is the
+    CE of the forward that draws Z uniformly (mode="inference", same RNG state), not of one that
+    reads Z from the encoder, which would flatter the Free Transformer."""
+    cfg = model_lib.resolve_model_config(model_lib.ModelConfig(
+        arch="free", n_layer=2, d_model=32, n_head=2, latent_bits=4, vocab_size=17))
+    torch.manual_seed(0)
+    model = model_lib.build_model(cfg).eval()
+    with torch.no_grad():
+        model.latent.encoder.readout.weight.mul_(1000)  # bit-logits far from 0: Z is the encoder's choice
+        model.lm_head.weight.mul_(50)  # confident predictions, which Z moves
+    x, y = torch.randint(0, 17, (3, 12)), torch.randint(0, 17, (3, 12))
+
+    def ce(mode):
+        torch.manual_seed(1)
+        logits, latent = model(x, mode=mode)
+        return model_lib.lm_loss(logits, y, latent)[1]
+
+    with torch.no_grad():
+        parts = ce("training")
+        torch.manual_seed(1)
+        _, comparable = model_lib.comparable_losses(model, x, y, parts)
+        prior = ce("inference")
+    assert parts["kl"] > 1  # the encoder's Z is far from uniform
+    assert comparable["prior_ce"] == prior["ce"]
+    assert abs(comparable["prior_ce"] - parts["ce"]) > 0.05
