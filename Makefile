@@ -41,13 +41,13 @@ kappa-sweep:
 	  $(TORCHRUN) train_fsdp.py $(TASK) --arch free --kappa $$nats --out-dir runs/kappa-$$k-$(STAMP) $(ARGS) || exit 1; \
 	  $(PYTHON) sample.py --ckpt runs/kappa-$$k-$(STAMP) --demo || exit 1; \
 	done; \
-	$(PYTHON) sample.py --summarize $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) | tee runs/kappa-sweep-$(STAMP).md
-	$(PYTHON) plot_runs.py $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) -o runs/kappa-sweep-$(STAMP).png
+	$(PYTHON) runs_report.py $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) --table | tee runs/kappa-sweep-$(STAMP).md
+	$(PYTHON) runs_report.py $(foreach k,$(KAPPA_BITS),runs/kappa-$(k)-$(STAMP)) -o runs/kappa-sweep-$(STAMP).png
 
 # One PNG of runs' metrics.jsonl, overlaid (needs matplotlib): make plot RUNS="runs/a runs/b" [PLOT=cmp.png]
 PLOT ?= runs/plot.png
 plot:
-	$(PYTHON) plot_runs.py $(RUNS) -o $(PLOT)
+	$(PYTHON) runs_report.py $(RUNS) -o $(PLOT)
 
 # Consolidate a sharded checkpoint into one file: make export CKPT=runs/RUN/checkpoints/step_N
 export:

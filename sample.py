@@ -23,6 +23,7 @@ import torch
 
 import data as data_lib
 import model as model_lib
+import runs_report
 import train_fsdp
 
 
@@ -165,64 +166,6 @@ def block_start_figure(summary):
     return fig
 
 
-def demo_to_trackers(run_dir, train, step, summary, figure):
-    """The demonstration into the TensorBoard / W&B run of a run that used them (its config's
-    `train` section): the shares as scalars and, with matplotlib, the figure. A tracker that fails
-    is said on one line; demo.json is written already."""
-    scalars = {f"demo/{name}/{k}": v for name in ("fixed_z", "fresh_z") for k, v in summary[name].items()}
-    if train.get("tensorboard"):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            with SummaryWriter(os.path.join(run_dir, "tensorboard")) as writer:
-                for key, value in scalars.items():
-                    writer.add_scalar(key, value, step)
-                if figure:
-                    writer.add_figure("demo/block_starts", figure, step, close=False)
-            print(f"logged the demonstration to TensorBoard ({run_dir}/tensorboard, step {step})")
-        except Exception as e:
-            print(f"TensorBoard failed ({type(e).__name__}: {e}); the demonstration is in demo.json")
-    if train.get("wandb"):
-        try:
-            import wandb
-            state_path = os.path.join(run_dir, "wandb_run.json")  # the trainer's: the run's id, its last step
-            with open(state_path) as fh:
-                state = json.load(fh)
-            run = wandb.init(project=train["wandb"], id=state["id"], resume="allow", dir=run_dir,
-                             settings=wandb.Settings(console="off"))
-            # W&B takes no step below its last one: the step after the training's last.
-            run.log({**scalars, **({"demo/block_starts": wandb.Image(figure)} if figure else {})},
-                    step=state["step"] + 1)
-            run.finish()
-            with open(state_path, "w") as fh:
-                json.dump({"id": state["id"], "step": state["step"] + 1}, fh)
-            print(f"logged the demonstration to W&B run {state['id']} (step {state['step'] + 1})")
-        except Exception as e:
-            print(f"W&B failed ({type(e).__name__}: {e}); the demonstration is in demo.json")
-
-
-def noise_cell(stats):
-    """same_noise_share as a table cell (demo.json files written before it existed lack it)."""
-    return f"{100 * stats['same_noise_share']:.1f} %" if "same_noise_share" in stats else "–"
-
-
-def summarize(run_dirs):
-    """A Markdown table of runs (e.g. a kappa sweep): kappa, final validation CE and KL, demo."""
-    rows = ["| run | kappa (bits) | val CE | val KL (nats/token) | same start fixed Z | same start fresh Z | "
-            "same '!' fixed Z | same '!' fresh Z |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for run in run_dirs:
-        with open(os.path.join(run, "config.json")) as fh:
-            kappa = json.load(fh)["model"]["kappa"]
-        with open(os.path.join(run, "metrics.jsonl")) as fh:
-            val = [r for r in map(json.loads, fh) if "val_ce" in r][-1]
-        with open(os.path.join(run, "demo.json")) as fh:
-            demo = json.load(fh)
-        rows.append(f"| {os.path.basename(run.rstrip('/'))} | {kappa / math.log(2):g} | {val['val_ce']:.4f} | "
-                    f"{val.get('val_kl', 0.0):.4f} | {100 * demo['fixed_z']['same_start_share']:.1f} % | "
-                    f"{100 * demo['fresh_z']['same_start_share']:.1f} % | {noise_cell(demo['fixed_z'])} | "
-                    f"{noise_cell(demo['fresh_z'])} |")
-    return "\n".join(rows)
-
-
 def installed(package):
     """Whether an optional package imports (it is imported only when a flag asks for it)."""
     try:
@@ -265,7 +208,6 @@ def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="run directory (its latest checkpoint), RUN/checkpoints/best (the lowest "
                    "validation loss), a checkpoint directory or a model.pt")
-    p.add_argument("--summarize", nargs="+", metavar="RUN", help="print a table of runs that ran --demo")
     p.add_argument("--prompt", default="", help="text to continue; default: a newline (synthetic: '\\nK>')")
     p.add_argument("--num-samples", type=int, default=8, help="samples in the batch")
     p.add_argument("--max-new-tokens", type=int, default=0, help="tokens to generate; 0 = 64 synthetic, 200 text")
@@ -282,9 +224,6 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     check_args(args)
-    if args.summarize:
-        print(summarize(args.summarize))
-        return None
     if not args.ckpt:
         fail("--ckpt is required: a run directory, a checkpoint directory or a model.pt")
     if args.figure and not args.demo:
@@ -330,7 +269,7 @@ def main(argv=None):
         if args.figure:
             figure.savefig(os.path.join(run_dir, "demo_block_starts.png"))
             print(f"saved {os.path.join(run_dir, 'demo_block_starts.png')}")
-        demo_to_trackers(run_dir, train, ckpt["step"], summary, figure)
+        runs_report.demo_to_trackers(run_dir, train, ckpt["step"], summary, figure)
         with open(os.path.join(run_dir, "demo_samples.txt"), "w") as fh:
             fh.write("\n".join(s.replace("\n", "|") for s in samples) + "\n")
         print("\n".join(s.replace("\n", "|") for s in samples[:4] + samples[8:12]))

@@ -1,5 +1,4 @@
 """KV-cache generation, reproducible sampling, sample.py and the demonstration's parser."""
-import json
 import math
 import os
 import subprocess
@@ -124,18 +123,3 @@ def test_same_noise_share():
     assert sample.same_noise_share([a, b]) == 0.0
     assert sample.same_noise_share([a, a, b, b]) == pytest.approx(1 / 3)  # each '!' shared by 1 of the 3 others
     assert sample.same_noise_share(["K>" + "_" * 64] * 3) is None  # no noise to compare
-
-
-def test_summarize_tables_runs_with_and_without_the_noise_share(tmp_path):
-    """The kappa-sweep table: one row per run; a demo.json written before same_noise_share
-    existed gets a dash in those columns."""
-    for name, noise in (("new", {"same_noise_share": 0.5}), ("old", {})):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "config.json").write_text(json.dumps({"model": {"kappa": math.log(2) / 2}}))
-        (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_ce": 0.3, "val_kl": 0.34}) + "\n")
-        (run / "demo.json").write_text(json.dumps({k: {"same_start_share": 0.25, **noise}
-                                                   for k in ("fixed_z", "fresh_z")}))
-    rows = sample.summarize([str(tmp_path / "new"), str(tmp_path / "old")]).splitlines()
-    assert rows[2] == "| new | 0.5 | 0.3000 | 0.3400 | 25.0 % | 25.0 % | 50.0 % | 50.0 % |"
-    assert rows[3] == "| old | 0.5 | 0.3000 | 0.3400 | 25.0 % | 25.0 % | – | – |"

@@ -1,4 +1,4 @@
-"""--tensorboard and --wandb (the real packages, W&B offline), plot_runs.py and the demonstration's
+"""--tensorboard and --wandb (the real packages, W&B offline) and the demonstration's
 figure: what the trackers hold is what metrics.jsonl holds, also across a resume that replays
 steps a stopped attempt had logged; a tracker that fails mid-run costs one line, not the run; a
 missing optional package is one error line and nothing written."""
@@ -14,7 +14,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import plot_runs  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 
@@ -168,8 +167,8 @@ def test_wandb_offline_run_holds_the_history(tracked):
 
 
 def test_the_demonstration_reaches_both_trackers(tracked, tmp_path):
-    """sample.py's demo logs its shares and its figure to the run's TensorBoard (at the
-    checkpoint's step) and W&B run (after its last step); the figure is a real image."""
+    """sample.py --demo logs its shares and its figure (runs_report.demo_to_trackers) to the run's
+    TensorBoard (at the checkpoint's step) and W&B run (after its last step); the figure is a real image."""
     run = tmp_path / "run"
     shutil.copytree(tracked, run)
     summary = {"arch": "baseline", "batches": 2, "batch_size": 4,
@@ -177,8 +176,8 @@ def test_the_demonstration_reaches_both_trackers(tracked, tmp_path):
     for name, share in (("fixed_z", 0.875), ("fresh_z", 0.25)):
         summary[name] = {"same_start_share": share, "well_formed_share": 1.0, "start_entropy": 1.0,
                          "same_noise_share": 0.1}
-    code = (f"import json, sample; s = json.loads({json.dumps(json.dumps(summary))}); "
-            f"sample.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
+    code = (f"import json, runs_report, sample; s = json.loads({json.dumps(json.dumps(summary))}); "
+            f"runs_report.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
             "sample.block_start_figure(s))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=wandb_env(tmp_path), capture_output=True,
                          text=True, timeout=120)
@@ -201,21 +200,6 @@ def png_size(path):
         head = fh.read(24)
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", head[16:24])
-
-
-def test_plot_runs_draws_two_runs_into_one_png(tracked, tmp_path):
-    """A baseline run and a Free Transformer run (KL, r_rms_ratio; validation without
-    tokens_seen, as written before it existed) overlaid in one PNG of the fixed size."""
-    free = tmp_path / "free"
-    free.mkdir()
-    rows = [{"step": s, "loss": 3 - s / 10, "ce": 3 - s / 10, "kl": 0.1 * s, "r_rms_ratio": 1.0, "lr": 1e-3,
-             "grad_norm": 1.0, "tokens_per_s": 1e4, "tokens_seen": 528 * s} for s in (1, 2, 3)]
-    rows.append({"step": 3, "val_loss": 2.8, "val_ce": 2.7, "val_kl": 0.3, "val_r_rms_ratio": 1.0})
-    (free / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "plot.png"
-    plot_runs.main([str(tracked), str(free), "-o", str(out)])
-    assert png_size(out) == (plot_runs.WIDTH * plot_runs.DPI, plot_runs.HEIGHT * plot_runs.DPI)
-    assert out.stat().st_size > 20_000  # eight panels of lines, not an empty canvas
 
 
 def test_a_tracker_that_fails_mid_run_costs_one_line(tmp_path, monkeypatch, cache):
@@ -264,7 +248,6 @@ def test_missing_optional_packages_on_the_command_line(tmp_path):
     env["PYTHONPATH"] = str(shadow)
     out = tmp_path / "out"
     commands = {("train_fsdp.py", "--wandb", "p", "--out-dir", str(out)): "--wandb needs the wandb package",
-                ("plot_runs.py", str(tmp_path), "-o", str(out / "p.png")): "plot_runs.py needs the matplotlib package",
                 ("sample.py", "--ckpt", str(out), "--demo", "--figure"): "--figure needs the matplotlib package"}
     for argv, message in commands.items():
         res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
