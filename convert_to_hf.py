@@ -1,7 +1,7 @@
-"""Export a baseline checkpoint to the Hugging Face layout, so lm-eval-harness, vLLM and
+"""Convert a baseline checkpoint to the Hugging Face layout, so lm-eval-harness, vLLM and
 `transformers` run it with no custom code:
 
-    python export_hf.py RUN/checkpoints/step_N OUT_DIR      # or RUN/checkpoints/latest, best
+    python convert_to_hf.py RUN/checkpoints/step_N OUT_DIR      # or RUN/checkpoints/latest, best
 
 OUT_DIR gets config.json (LlamaForCausalLM), model.safetensors (the checkpoint's fp32 weights)
 and the run's tokenizer as a `tokenizers` tokenizer.json that gives the ids of the run's
@@ -9,8 +9,9 @@ SentencePiece model. It reads sharded and full checkpoints of every strategy thr
 trainer's own loading (train_fsdp.init_weights_from), in this one CPU process.
 
 A file of its own, not a train_fsdp.py flag: the trainer is the one file researchers copy into
-their repo, with any model; this export knows this project's model and tokenizer and needs
+their repo, with any model; this converter knows this project's model and tokenizer and needs
 packages the trainer does not (transformers, safetensors, protobuf), imported only here.
+(The trainer's --export is another thing: it consolidates a sharded checkpoint into model.pt.)
 
 The baseline is Llama's architecture and its conventions already match, so every weight is
 copied unchanged:
@@ -41,8 +42,8 @@ import model as model_lib
 import train_fsdp
 from train_fsdp import BadInput, RunFailed
 
-USAGE = "usage: python export_hf.py CHECKPOINT_DIR OUT_DIR"
-# Our parameter names (after the block index) -> Llama's; a name not here stops the export.
+USAGE = "usage: python convert_to_hf.py CHECKPOINT_DIR OUT_DIR"
+# Our parameter names (after the block index) -> Llama's; a name not here stops the conversion.
 BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weight": "self_attn.q_proj.weight",
                "attn.wk.weight": "self_attn.k_proj.weight", "attn.wv.weight": "self_attn.v_proj.weight",
                "attn.wo.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
@@ -59,7 +60,7 @@ def import_optional():
         import transformers  # noqa: F401
         from sentencepiece import sentencepiece_model_pb2  # noqa: F401  (needs protobuf)
     except ImportError as e:
-        raise BadInput(f"export_hf.py needs transformers, safetensors and protobuf ({e}); "
+        raise BadInput(f"convert_to_hf.py needs transformers, safetensors and protobuf ({e}); "
                        "install them with: pip install transformers safetensors protobuf")
 
 
@@ -91,7 +92,7 @@ def hf_weights(state, cfg):
         else:
             new = TOP_NAMES.get(name)
         if new is None:
-            raise RunFailed(f"parameter {name} has no Hugging Face name (model.py changed?); update export_hf.py")
+            raise RunFailed(f"parameter {name} has no Hugging Face name (model.py changed?); update convert_to_hf.py")
         if not (new == "lm_head.weight" and cfg.tie_embeddings):  # tied: the file holds the embedding once
             out[new] = tensor.detach().contiguous()
     return out
@@ -121,7 +122,7 @@ def sentencepiece_tokenizer(path):
         unsupported.append("model_type")
     if unsupported:
         raise BadInput(f"tokenizer {path}: its {', '.join(unsupported)} setting is not one data.py trains with; "
-                       "export_hf.py converts SentencePiece models trained by data.py (bpe, unigram, char)")
+                       "convert_to_hf.py converts SentencePiece models trained by data.py (bpe, unigram, char)")
     pieces = [(p.piece, p.score) for p in proto.pieces]
     if spec.model_type == spec.UNIGRAM:
         model = models.Unigram(pieces, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback)
@@ -193,7 +194,7 @@ def load_model(path, meta):
     return model.eval()
 
 
-def export(path, out_dir):
+def convert(path, out_dir):
     """Check everything, then write OUT_DIR through a staging directory renamed into place."""
     import safetensors.torch
     path = train_fsdp.follow_marker(path)
@@ -201,7 +202,7 @@ def export(path, out_dir):
     meta = train_fsdp.check_checkpoint(path)
     if meta["config"]["model"]["arch"] != "baseline":
         raise BadInput(f"{path} holds a Free Transformer: its latent path (encoder, binary mapper, post-sampler) "
-                       "has no Hugging Face architecture; export its weights with python train_fsdp.py --export "
+                       "has no Hugging Face architecture; consolidate its weights with python train_fsdp.py --export "
                        f"{path} and sample it with sample.py")
     if os.path.isfile(out_dir) or (os.path.isdir(out_dir) and os.listdir(out_dir)):
         raise BadInput(f"OUT_DIR {out_dir} exists and is not an empty directory; give a new or empty one")
@@ -253,7 +254,7 @@ def run(argv):
         if len(argv) != 2 or any(a.startswith("-") for a in argv):
             raise BadInput(USAGE)
         import_optional()
-        export(*argv)
+        convert(*argv)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return train_fsdp.EXIT_BAD_INPUT

@@ -1,4 +1,4 @@
-"""export_hf.py with the real transformers: a baseline trained a few steps on text exports to a
+"""convert_to_hf.py with the real transformers: a baseline trained a few steps on text converts to a
 directory that AutoModelForCausalLM and AutoTokenizer load with no custom code, and it computes
 what this project's model computes (fp32 logits within 1e-4, the same greedy tokens) from the
 same ids as the run's SentencePiece tokenizer. Bad input: one line, exit 2, nothing written.
@@ -7,7 +7,7 @@ One launch of 2 gloo processes trains every run: `char` (FSDP1, char tokenizer, 
 GQA, another --norm-eps), `bpe` (FSDP2, BPE tokenizer, untied, no GQA, --vocab-size padded past
 the tokenizer's, another --rope-theta), `synthetic` (the built-in task's alphabet, its vocabulary
 padded to 32) and `free` (a Free Transformer, to be refused). The text runs save at steps 2
-(sharded only) and 4 (sharded plus the consolidated model.pt), so both reading paths are exported.
+(sharded only) and 4 (sharded plus the consolidated model.pt), so both reading paths are converted.
 """
 import os
 import random
@@ -22,8 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import convert_to_hf  # noqa: E402
 import data as data_lib  # noqa: E402
-import export_hf  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_distributed import clean_env, launch  # noqa: E402
@@ -54,7 +54,7 @@ def corpus_text(n_lines=600, seed=0):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export_hf")
+    tmp = tmp_path_factory.mktemp("convert_to_hf")
     corpus = tmp / "corpus.txt"
     corpus.write_text(corpus_text())
     spec = {name: (["--dataset", str(corpus)] + args if args[:1] == TEXT[:1] else args) for name, args in RUNS.items()}
@@ -66,16 +66,16 @@ def step(run_dir, n):
 
 
 @pytest.fixture(scope="module")
-def exports(runs):
+def converted(runs):
     """{name: (checkpoint, OUT_DIR)}: char's step 2 through the command line (FSDP1 DCP shards),
     bpe's step 2 (FSDP2 DCP shards) and latest (step 4: model.pt) in this process."""
-    out = {name: runs["tmp"] / f"export-{name}" for name in ("char", "bpe", "bpe_full", "synthetic")}
-    res = subprocess.run([sys.executable, "export_hf.py", step(runs["char"], 2), str(out["char"])], cwd=ROOT,
+    out = {name: runs["tmp"] / f"hf-{name}" for name in ("char", "bpe", "bpe_full", "synthetic")}
+    res = subprocess.run([sys.executable, "convert_to_hf.py", step(runs["char"], 2), str(out["char"])], cwd=ROOT,
                          env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.startswith(f"wrote {out['char']}"), res.stdout + res.stderr
-    assert export_hf.run([step(runs["bpe"], 2), str(out["bpe"])]) == 0
-    assert export_hf.run([str(runs["bpe"] / "checkpoints" / "latest"), str(out["bpe_full"])]) == 0
-    assert export_hf.run([step(runs["synthetic"], 2), str(out["synthetic"])]) == 0
+    assert convert_to_hf.run([step(runs["bpe"], 2), str(out["bpe"])]) == 0
+    assert convert_to_hf.run([str(runs["bpe"] / "checkpoints" / "latest"), str(out["bpe_full"])]) == 0
+    assert convert_to_hf.run([step(runs["synthetic"], 2), str(out["synthetic"])]) == 0
     return {"char": (step(runs["char"], 2), out["char"]), "bpe": (step(runs["bpe"], 2), out["bpe"]),
             "bpe_full": (step(runs["bpe"], 4), out["bpe_full"]), "synthetic": (step(runs["synthetic"], 2),
                                                                                out["synthetic"])}
@@ -83,15 +83,16 @@ def exports(runs):
 
 def project_model(ckpt):
     """The reference: this project's model from the checkpoint's consolidated model.pt, written
-    by the trainer's own --export where the step has none (after export_hf.py read the shards)."""
+    by the trainer's own --export where the step has none (after convert_to_hf.py read the shards)."""
     if not os.path.exists(os.path.join(ckpt, "model.pt")):
-        train_fsdp.export_checkpoint(ckpt)
+        subprocess.run([sys.executable, "train_fsdp.py", "--export", ckpt], cwd=ROOT, env=clean_env(), check=True,
+                       capture_output=True, timeout=300)
     return sample.load_model(ckpt, "cpu")
 
 
 @pytest.mark.parametrize("name", ["char", "bpe", "bpe_full", "synthetic"])
-def test_exported_model_computes_what_the_project_model_computes(exports, name):
-    ckpt, out = exports[name]
+def test_converted_model_computes_what_the_project_model_computes(converted, name):
+    ckpt, out = converted[name]
     ours, saved = project_model(ckpt)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -128,20 +129,20 @@ def check_ids(out, sp_path, probes):
 
 
 @pytest.mark.parametrize("name", ["char", "bpe"])
-def test_exported_tokenizer_gives_the_runs_ids(exports, name):
-    ckpt, out = exports[name]
+def test_converted_tokenizer_gives_the_runs_ids(converted, name):
+    ckpt, out = converted[name]
     check_ids(out, train_fsdp.check_checkpoint(ckpt)["tokenizer"], PROBES + [corpus_text(60, seed=2)])
 
 
 def test_unigram_tokenizer_gives_the_same_ids(runs):
     """No run needed: data.py's unigram tokenizer on the same corpus, converted alone. HF's Unigram
-    matches a control or byte piece spelled in the text (export_hf.sentencepiece_tokenizer says
+    matches a control or byte piece spelled in the text (convert_to_hf.sentencepiece_tokenizer says
     so): the last probe is left out."""
     tmp = runs["tmp"]
     cfg = data_lib.DataConfig(dataset=str(tmp / "corpus.txt"), tokenizer_type="unigram", tokenizer_vocab_size=400)
     (tmp / "unigram").mkdir()
     model = data_lib.train_tokenizer(cfg, [tmp / "corpus.txt"], tmp / "unigram")
-    export_hf.hf_tokenizer(str(model)).save_pretrained(tmp / "hf-unigram")
+    convert_to_hf.hf_tokenizer(str(model)).save_pretrained(tmp / "hf-unigram")
     check_ids(tmp / "hf-unigram", str(model), PROBES[:-1] + [corpus_text(60, seed=2)])
 
 
@@ -157,11 +158,11 @@ def test_bad_input_one_line_exit_2_nothing_written(runs, tmp_path, capsys, monke
              ("usage",): [step(runs["bpe"], 4)]}
     before = sorted(os.listdir(free)), sorted(os.listdir(step(runs["bpe"], 4))), sorted(os.listdir(tmp_path))
     for expected, argv in cases.items():
-        assert export_hf.run(argv) == 2, expected
+        assert convert_to_hf.run(argv) == 2, expected
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and all(e in err for e in expected), err
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
-    assert export_hf.run([step(runs["bpe"], 4), str(tmp_path / "o4")]) == 2
+    assert convert_to_hf.run([step(runs["bpe"], 4), str(tmp_path / "o4")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install transformers safetensors" in err, err
     after = sorted(os.listdir(free)), sorted(os.listdir(step(runs["bpe"], 4))), sorted(os.listdir(tmp_path))
