@@ -1,7 +1,7 @@
 """Report runs: their metrics.jsonl overlaid in one figure, a sweep's table, and the synthetic
 demonstration sent to a run's TensorBoard / W&B.
 
-    python runs_report.py runs/free-fsdp-A runs/baseline-fsdp-B -o compare.png
+    python runs_report.py runs/free-fsdp-A runs/baseline-fsdp-B -o compare.png   # or .pdf, .svg
     python runs_report.py runs/kappa-* --table        # Markdown table of runs that ran sample.py --demo
     make plot RUNS="runs/kappa-*" PLOT=kappa.png
 
@@ -20,9 +20,10 @@ import sys
 WIDTH, HEIGHT, DPI = 16, 8, 80  # inches and dots per inch: a 1280 x 640 PNG
 
 
-def fail(message):
+def fail(message, code=2):
+    """One `error:` line and the exit code: 2 for bad input, 1 for a write that failed."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -30,13 +31,38 @@ class OneLineParser(argparse.ArgumentParser):
         fail(f"{message} (python runs_report.py --help lists the flags)")
 
 
+def read_records(path):
+    """The records of a metrics.jsonl. A killed run can leave its last line cut mid-write: that
+    line is skipped, said on one line; any other line that is not a JSON record is bad input."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+    except UnicodeDecodeError:
+        fail(f"{path}: not a metrics.jsonl (not UTF-8 text)")
+    if "\0" in text:
+        fail(f"{path}: not a metrics.jsonl (binary data)")
+    lines = [(i, line) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
+    records = []
+    for i, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == lines[-1][0]:
+                print(f"{path}: skipped line {i}, cut mid-write (the run was stopped while logging)", file=sys.stderr)
+                break
+            fail(f"{path}: line {i} is not JSON; not a metrics.jsonl")
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            fail(f"{path}: line {i} is not a metrics record (no step); not a metrics.jsonl")
+        records.append(record)
+    return records
+
+
 def read_run(run_dir):
     """(training records, validation records) of a run directory, each sorted by step."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         fail(f"{run_dir}: no metrics.jsonl; give run directories (runs/NAME)")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records = read_records(path)
     train = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
     val = sorted((r for r in records if "val_loss" in r), key=lambda r: r["step"])
     # Validation records of runs older than their tokens_seen field: tokens per step is constant.
@@ -47,7 +73,7 @@ def read_run(run_dir):
 
 
 def plot(runs, out):
-    """runs: {label: (train, val)}; writes the PNG `out`."""
+    """runs: {label: (train, val)}; writes the figure `out` (its extension picks the format)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -83,8 +109,15 @@ def plot(runs, out):
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     # no bbox_inches="tight": the PNG is always WIDTH x HEIGHT x DPI
-    fig.savefig(out, pil_kwargs={"optimize": True})
+    png = os.path.splitext(out)[1].lower() in ("", ".png")
+    fig.savefig(out, **({"pil_kwargs": {"optimize": True}} if png else {}))
     plt.close(fig)
+
+
+def figure_formats():
+    """The file extensions matplotlib writes (png, pdf, svg, ...), without the dot."""
+    from matplotlib.figure import Figure
+    return set(Figure().canvas.get_supported_filetypes())
 
 
 def noise_cell(stats):
@@ -92,17 +125,25 @@ def noise_cell(stats):
     return f"{100 * stats['same_noise_share']:.1f} %" if "same_noise_share" in stats else "–"
 
 
+def read_json(path, what):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read {what} ({type(e).__name__}: {e})")
+
+
 def summarize(run_dirs):
     """A Markdown table of runs (e.g. a kappa sweep): kappa, final validation CE and KL, demo."""
     rows = ["| run | kappa (bits) | val CE | val KL (nats/token) | same start fixed Z | same start fresh Z | "
             "same '!' fixed Z | same '!' fresh Z |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in run_dirs:
-        with open(os.path.join(run, "config.json")) as fh:
-            kappa = json.load(fh)["model"]["kappa"]
-        with open(os.path.join(run, "metrics.jsonl")) as fh:
-            val = [r for r in map(json.loads, fh) if "val_ce" in r][-1]
-        with open(os.path.join(run, "demo.json")) as fh:
-            demo = json.load(fh)
+        kappa = read_json(os.path.join(run, "config.json"), "the run's config")["model"]["kappa"]
+        finals = [r for r in read_records(os.path.join(run, "metrics.jsonl")) if "val_ce" in r]
+        if not finals:
+            fail(f"{run}: no validation CE in metrics.jsonl")
+        val = finals[-1]
+        demo = read_json(os.path.join(run, "demo.json"), f"the demonstration (python sample.py --ckpt {run} --demo)")
         rows.append(f"| {os.path.basename(run.rstrip('/'))} | {kappa / math.log(2):g} | {val['val_ce']:.4f} | "
                     f"{val.get('val_kl', 0.0):.4f} | {100 * demo['fixed_z']['same_start_share']:.1f} % | "
                     f"{100 * demo['fresh_z']['same_start_share']:.1f} % | {noise_cell(demo['fixed_z'])} | "
@@ -146,25 +187,32 @@ def demo_to_trackers(run_dir, train, step, summary, figure):
 
 
 def write_figure(run_dirs, out):
-    """Check matplotlib and every run before anything is written."""
+    """Check everything first (matplotlib, the format, every run), then create OUT's directory and write it."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         fail("runs_report.py needs the matplotlib package, which is not installed: pip install matplotlib")
+    ext = os.path.splitext(out)[1].lower().lstrip(".")
+    if ext and ext not in figure_formats():
+        fail(f"-o {out}: matplotlib writes no .{ext}; use .png, .pdf or .svg")
     runs = {}
     for run in run_dirs:
         label = os.path.basename(os.path.normpath(run))
         runs[label if label not in runs else os.path.normpath(run)] = read_run(run)
     if not any(train for train, _ in runs.values()):
         fail(f"no training records in {', '.join(run_dirs)}")
-    plot(runs, out)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        plot(runs, out)
+    except OSError as e:
+        fail(f"-o {out}: cannot write it ({e.strerror or e})", code=1)
     print(f"wrote {out}")
 
 
 def main(argv=None):
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each holds metrics.jsonl)")
-    p.add_argument("-o", "--out", default="runs.png", help="the PNG to write")
+    p.add_argument("-o", "--out", default="runs.png", help="the figure to write: .png, .pdf or .svg")
     p.add_argument("--table", action="store_true", help="print a Markdown table of the runs (each ran sample.py "
                    "--demo) instead of the figure")
     args = p.parse_args(argv)

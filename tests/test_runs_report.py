@@ -83,3 +83,60 @@ def test_missing_matplotlib_is_one_line(tmp_path):
     assert res.returncode == 2 and res.stderr.startswith("error: runs_report.py needs the matplotlib package")
     assert len(res.stderr.splitlines()) == 1 and res.stderr.rstrip().endswith("pip install matplotlib")
     assert not out.exists()
+
+
+def refused(capsys, argv, *expected, code=2):
+    """runs_report.main(argv) exits with `code` after one `error:` line holding each of `expected`."""
+    with pytest.raises(SystemExit) as e:
+        runs_report.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code and err.startswith("error: ") and err.count("\n") == 1, err
+    assert all(x in err for x in expected), err
+
+
+def test_a_last_record_cut_mid_write_is_skipped_and_said(tmp_path, capsys):
+    """A killed run leaves its last line half-written: the figure is drawn from the others."""
+    pytest.importorskip("matplotlib", reason="pip install matplotlib (.ci/run does)")
+    run = write_run(tmp_path / "killed", baseline_rows())
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 7, "loss": 0.57, "lr": 0.0')
+    out = tmp_path / "plot.png"
+    runs_report.main([str(run), "-o", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "skipped line 10, cut mid-write" in err[0], err
+    assert png_size(out) == (runs_report.WIDTH * runs_report.DPI, runs_report.HEIGHT * runs_report.DPI)
+
+
+def test_garbage_is_one_error_line_and_nothing_written(tmp_path, capsys):
+    """Binary bytes, a line that is not JSON before the last, a JSON value that is not a record,
+    an extension matplotlib does not write: one `error:` line, exit 2, no figure."""
+    pytest.importorskip("matplotlib", reason="pip install matplotlib (.ci/run does)")
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "metrics.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x80")
+    nul = tmp_path / "nul"
+    nul.mkdir()
+    (nul / "metrics.jsonl").write_bytes(b"\x00" * 64)
+    middle = write_run(tmp_path / "middle", baseline_rows())
+    (middle / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n{"step": 2, "loss": 1.0}\n')
+    values = write_run(tmp_path / "values", baseline_rows())
+    (values / "metrics.jsonl").write_text("[1, 2]\n3\n")
+    good = write_run(tmp_path / "good", baseline_rows())
+    out = tmp_path / "out" / "plot.png"
+    refused(capsys, [str(binary), "-o", str(out)], "metrics.jsonl", "not UTF-8 text")
+    refused(capsys, [str(nul), "-o", str(out)], "metrics.jsonl", "binary data")
+    refused(capsys, [str(middle), "-o", str(out)], "line 2 is not JSON")
+    refused(capsys, [str(values), "-o", str(out)], "line 1 is not a metrics record")
+    refused(capsys, [str(good), "-o", str(tmp_path / "out" / "plot.txt")], "no .txt", ".pdf")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ext, head", [("png", b"\x89PNG"), ("pdf", b"%PDF"), ("svg", b"<?xml")])
+def test_writes_png_pdf_and_svg_into_a_directory_it_creates(tmp_path, ext, head):
+    """The output's extension picks the format; its directory is made (make plot's default,
+    runs/plot.png, before any run made runs/)."""
+    pytest.importorskip("matplotlib", reason="pip install matplotlib (.ci/run does)")
+    run = write_run(tmp_path / "run", baseline_rows())
+    out = tmp_path / "runs" / "sub" / f"plot.{ext}"
+    runs_report.main([str(run), "-o", str(out)])
+    assert out.read_bytes().startswith(head) and out.stat().st_size > 5_000
