@@ -89,30 +89,22 @@ def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
 
 class Dataset:
     """Rows of seq_len + 1 tokens cut from a flat token array at a fixed stride, plus the tokenizer.
-
     Text rows start every seq_len tokens, so neighbours share one boundary token (nanoGPT's x/y);
-    synthetic samples are independent, so their stride is the whole row. `tokenizer`: the
-    SentencePiece processor and its .model path, (None, "") for the synthetic alphabet.
-
-    `shift_windows` (text): every epoch after the first moves all its windows by one offset in
-    [1, stride), so a token is not always seen at the same position with the same left context
-    (fixed windows let a model memorise them: issue 16). Epoch 0 is unshifted, so a run of one
-    epoch sees every window of the unshifted layout exactly once. A shifted epoch has
-    n_shifted rows (n_train, or one fewer when the last window would run past the end).
-
-    `digests` (text): {source: digest} of the corpus files and the tokenizer (data_digests), which a
-    resumed run must find unchanged; None when the config alone fixes the rows (synthetic, random).
-    """
+    synthetic samples are independent, so their stride is the whole row."""
 
     def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""), shift_windows=False,
                  digests=None):
+        # tokenizer: the SentencePiece processor and its .model path; (None, "") for the synthetic alphabet.
+        # digests (text): {source: digest} (data_digests), which a resumed run must find unchanged; None
+        # when the config alone fixes the rows (synthetic, random).
         self.train_tokens, self.val_tokens, self.digests = train, val, digests
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
         self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
         self.n_val = (len(val) - seq_len - 1) // stride + 1
-        # Rows of a shifted epoch: as many as fit after the largest shift (stride - 1); a corpus of
-        # a single window can still shift by what is left after it (max_shift, possibly 0).
+        # shift_windows (text): each epoch after the first moves its windows by an offset in [1, stride), so
+        # that a token is not always seen with the same left context, which a model memorises; epoch 0 is
+        # the plain layout. A shifted epoch holds the rows that fit after the largest shift (max_shift).
         self.n_shifted = max(1, (len(train) - stride - seq_len) // stride + 1) if shift_windows else self.n_train
         self.max_shift = min(stride - 1, len(train) - seq_len - 1 - (self.n_shifted - 1) * stride) \
             if shift_windows else 0
@@ -131,9 +123,9 @@ class Dataset:
         return self._perm
 
     def epoch_shift(self, epoch: int) -> int:
-        """Where epoch `epoch`'s windows start: 0 for epoch 0; after that each block of max_shift
-        epochs takes every offset in [1, max_shift] once, in an order drawn from (seed, block),
-        so that no two epochs of a block see the same windows."""
+        """Where epoch `epoch`'s windows start: 0 for epoch 0; then each block of max_shift epochs
+        takes every offset in [1, max_shift] once, in an order drawn from (seed, block), so that no
+        two epochs of a block see the same windows."""
         if epoch == 0 or self.max_shift == 0:
             return 0
         block, i = divmod(epoch - 1, self.max_shift)
@@ -495,13 +487,9 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 def prepare_data(cfg: DataConfig) -> None:
-    """Build the token cache for cfg (rank 0 only). A no-op for synthetic data and for an up-to-date cache.
-
-    Bad input writes nothing. What can be checked without tokenising (paths, an empty corpus,
-    the tokenizer file) is checked before anything is created; what needs a pass over the corpus
-    (every .jsonl line, the token counts against --seq-len) is found while building into a
-    private temporary directory, which is deleted on any failure (with the cache directory
-    itself when this call created it) and renamed into place only when complete."""
+    """Build the token cache for cfg (rank 0 only); a no-op for synthetic data and an up-to-date cache.
+    Bad input writes nothing: what needs no tokenising is checked first, and the rest is built in a
+    private temporary directory, renamed into place when complete and deleted on any failure."""
     check_config(cfg)
     if cfg.dataset in ("synthetic", "random"):
         return

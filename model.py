@@ -20,10 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Width, depth, heads, kv heads, MLP width. 1b is Llama-3.2-1B's shape; 1.5b and 8b are the
-# paper's sizes in Llama-3 style shapes (8b is Llama-3-8B's); tiny is for tests and CPU runs.
-# Counts with a 32k vocabulary: 134M, 369M, 1.1B, 1.6B, 7.2B (the Free Transformer adds
-# 2^H x D post-sampler weights and one block).
+# Known shapes, so that runs compare with published ones: 1b is Llama-3.2-1B's, 8b Llama-3-8B's,
+# 1.5b and 8b are the paper's sizes; tiny is for tests and CPU runs.
 SIZE_PRESETS = {
     "tiny": dict(n_layer=4, d_model=128, n_head=4, n_kv_head=0),
     "small": dict(n_layer=6, d_model=384, n_head=6, n_kv_head=0),
@@ -35,37 +33,36 @@ SIZE_PRESETS = {
 }
 
 
+def opt(default, help, choices=None):
+    """A config field whose help text (and allowed values) become the command-line flag's."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class ModelConfig:
-    arch: str = field(default="free", metadata={"help": "free (Free Transformer) or baseline (plain decoder)",
-                                                "choices": ["free", "baseline"]})
-    size: str = field(default="", metadata={"help": "named size preset: " + ", ".join(SIZE_PRESETS) +
-                                               "; empty = use the fields below"})
-    n_layer: int = field(default=4, metadata={"help": "decoder blocks (even for the Free Transformer)"})
-    d_model: int = field(default=128, metadata={"help": "model width D"})
-    n_head: int = field(default=4, metadata={"help": "attention heads"})
-    n_kv_head: int = field(default=0, metadata={"help": "key/value heads for grouped-query attention; 0 = n_head"})
-    ffn_hidden: int = field(default=0, metadata={"help": "SwiGLU hidden size; 0 = 8/3 * d_model rounded up to 64"})
-    vocab_size: int = field(default=0, metadata={"help": "vocabulary size; 0 = taken from the data"})
-    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
-    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
-    dropout: float = field(default=0.0, metadata={"help": "attention and residual dropout"})
-    tie_embeddings: bool = field(default=False, metadata={"help": "share the token embedding with the LM head"})
-    init_std: float = field(default=0.02, metadata={
-        "help": "std of the normal init; residual outputs get std/sqrt(2L)"})
-    latent_bits: int = field(default=16, metadata={"help": "H: bits of the Free Transformer's latent (2^H codes)"})
-    kappa: float = field(default=math.log(2) / 2, metadata={
-        "help": "free bits per token, in nats (log(2)/2 = half a bit)"})
-    mapper_chunk: int = field(default=4096, metadata={"help": "tokens per chunk in the Binary Mapper's backward"})
-    latent_init: str = field(default="bits", metadata={
-        "help": "post-sampler table init: bits (each row a linear map of its code's +-1 bits) or random (iid rows)",
-        "choices": ["bits", "random"]})
-    latent_inject: str = field(default="post_norm", metadata={
-        "help": "where R joins the key/value input of the first upper block: pre_norm (x + R, then the block's "
-                "RMSNorm; the paper) or post_norm (after the norm, so R's share does not shrink with width)",
-        "choices": ["pre_norm", "post_norm"]})
-    latent_std: float = field(default=1.0, metadata={"help": "rms of the post-sampler rows (of R) at init; under "
-                                                      "post_norm, R's size against the normalised stream"})
+    arch: str = opt("free", "free (Free Transformer) or baseline (plain decoder)", ["free", "baseline"])
+    size: str = opt("", "named size preset: " + ", ".join(SIZE_PRESETS) + "; empty = use the fields below")
+    n_layer: int = opt(4, "decoder blocks (even for the Free Transformer)")
+    d_model: int = opt(128, "model width D")
+    n_head: int = opt(4, "attention heads")
+    n_kv_head: int = opt(0, "key/value heads for grouped-query attention; 0 = n_head")
+    ffn_hidden: int = opt(0, "SwiGLU hidden size; 0 = 8/3 * d_model rounded up to 64")
+    vocab_size: int = opt(0, "vocabulary size; 0 = taken from the data")
+    rope_theta: float = opt(10000.0, "RoPE base frequency")
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon")
+    dropout: float = opt(0.0, "attention and residual dropout")
+    tie_embeddings: bool = opt(False, "share the token embedding with the LM head")
+    init_std: float = opt(0.02, "std of the normal init; residual outputs get std/sqrt(2L)")
+    latent_bits: int = opt(16, "H: bits of the Free Transformer's latent (2^H codes)")
+    kappa: float = opt(math.log(2) / 2, "free bits per token, in nats (log(2)/2 = half a bit)")
+    mapper_chunk: int = opt(4096, "tokens per chunk in the Binary Mapper's backward")
+    latent_init: str = opt("bits", "post-sampler table init: bits (each row a linear map of its code's +-1 bits) "
+                           "or random (iid rows)", ["bits", "random"])
+    latent_inject: str = opt("post_norm", "where R joins the key/value input of the first upper block: pre_norm "
+                             "(x + R, then the block's RMSNorm; the paper) or post_norm (after the norm, so R's "
+                             "share does not shrink with width)", ["pre_norm", "post_norm"])
+    latent_std: float = opt(1.0, "rms of the post-sampler rows (of R) at init; under post_norm, R's size against "
+                            "the normalised stream")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may change
     # the size preset's name (its fields are compared one by one) and the chunking of the Binary
@@ -94,6 +91,8 @@ RANGES = [
     ("rope_theta", lambda v: v > 0, "> 0"), ("norm_eps", lambda v: v > 0, "> 0"),
     ("latent_std", lambda v: v > 0, "> 0"),
 ]
+
+
 def saved_fields(table):
     """A saved run's model table with the fields it predates filled in with the values it was
     trained with: runs saved before the latent settings existed added R before the norm, with
@@ -259,11 +258,9 @@ class DecoderBlock(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """The Free Transformer's encoder: one non-causal block whose queries are a learned
-    constant ζ at every position and whose keys/values come from the middle stream, then a
-    linear readout to H bit-logits per token. RoPE on both queries and keys makes the
-    attention pattern depend on the query's position, so each position gets its own logits
-    even though every query starts from the same ζ."""
+    """The Free Transformer's encoder: one non-causal block whose queries are a learned constant ζ
+    and whose keys/values are the middle stream, read out to H bit-logits per token. RoPE on
+    queries and keys gives each position its own attention pattern, hence its own logits."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -302,15 +299,9 @@ def code_probs(z_logits, bits):
 
 
 class _BinaryMapperST(torch.autograd.Function):
-    """R = W[d] in the forward (a row lookup: the mapper's value is one-hot), and the
-    straight-through gradient of Y + G - sg(G) in the backward, where the bit-logit gradient
-    is sum_d M[d] G[d] (bit_h(d) - p_h) with M = dR @ W^T.
-
-    G factorises over the bits, so it is never formed: split each code d into its low bits a
-    and high bits b (d = a + 2^lo * b), G[d] = G_lo[a] G_hi[b], and view M as (2^hi, 2^lo).
-    Then sum_b G_hi[b] M[b, a] and sum_a G_lo[a] M[b, a] (two batched mat-vecs, one read of M
-    each) give every sum the gradient needs. The backward works in token chunks, so the
-    (tokens, 2^H) M is never held for more than `chunk` tokens."""
+    """Forward: R = W[d], a row lookup (the mapper's value is one-hot). Backward: the straight-through
+    gradient of Y + G - sg(G), for bit h sum_d M[d] G[d] (bit_h(d) - p_h) with M = dR @ W^T,
+    without ever forming the (tokens, 2^H) G."""
 
     @staticmethod
     def forward(ctx, z_logits, codes, weight, chunk):
@@ -326,6 +317,8 @@ class _BinaryMapperST(torch.autograd.Function):
         flat_logits = z_logits.reshape(-1, n_bits).float()
         flat_grad = grad_r.reshape(-1, grad_r.shape[-1])
         grad_logits = torch.empty(flat_logits.shape, dtype=torch.float32, device=z_logits.device)
+        # G factorises over the bits: with d = a + 2^lo * b, G[d] = G_lo[a] G_hi[b], and M viewed as
+        # (2^hi, 2^lo) gives every sum in two batched mat-vecs. Token chunks bound M's memory.
         bits_lo, bits_hi = code_bits(lo, z_logits.device), code_bits(n_bits - lo, z_logits.device)
         for s in range(0, flat_logits.shape[0], ctx.chunk):
             lg = flat_logits[s:s + ctx.chunk]
@@ -398,8 +391,8 @@ class Transformer(nn.Module):
             init_post_sampler(m.post_sampler, self.cfg)
 
     # Eager even inside a compiled model: compiled, inductor fuses the tables' sin and cos into
-    # every block's rotary kernel and recomputes them for each batch row and head (30 % of the
-    # 6 x 384 model's GPU time on an H100). Computed here once per forward, they are an input.
+    # every block's rotary kernel and recomputes them for each batch row and head. Computed here
+    # once per forward, they are an input.
     @torch.compiler.disable
     def rope(self, seq_len, device, offset=0):
         return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, device, offset)
@@ -424,13 +417,8 @@ class Transformer(nn.Module):
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="prior",
                  generator=None):
         """Sample max_new_tokens after prompt_ids (B, T0) with a KV cache; call model.eval() first.
-
-        Free Transformer: `z` (B, T0 + max_new_tokens) code indices fixes Z at every position;
-        otherwise each position's Z is drawn from the uniform prior once, never resampled. The
-        prompt's Z too by default ("prior": the generative model that training fits); "encoder"
-        runs the encoder on the prompt alone, an input it never saw in training (it saw whole
-        rows): on the synthetic task that moved the mean block start by 4 positions.
-        A seeded `generator` makes the samples reproducible. Returns (tokens, codes or None)."""
+        Returns (tokens, codes or None); a seeded `generator` makes the samples reproducible.
+        For the Free Transformer's Z, see latent_codes."""
         T0 = prompt_ids.shape[1]
         codes = self.latent_codes(prompt_ids, T0 + max_new_tokens, z, prompt_z, generator)
         cache = [dict() for _ in self.blocks]
@@ -522,8 +510,9 @@ class FreeTransformer(Transformer):
         return self.latent.encoder(x, cos, sin)
 
     def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
-        """Z for every position of a generation: given, or prompt from the encoder / prior and
-        the rest from the uniform prior."""
+        """Z for every position of a generation: `z` (B, T0 + new) if given; else each position's Z
+        is drawn once from the uniform prior. prompt_z="prior" (default) is the generative model that
+        training fits; "encoder" reads the prompt alone, an input the encoder never saw (it saw whole rows)."""
         B, T0 = prompt_ids.shape
         if z is not None:
             if tuple(z.shape) != (B, total):
@@ -539,11 +528,9 @@ class FreeTransformer(Transformer):
 
 
 def init_post_sampler(weight, cfg):
-    """Rows of rms latent_std (or init_std). "bits": row d = S[d] @ V / sqrt(H), S[d] the +-1 bits
-    of code d and V an (H, D) normal matrix, so every bit moves R along its own direction from
-    the first step. With iid rows ("random") the straight-through gradient into bit h is the
-    difference of two averages of 2^(H-1) random rows, about 2^(-H/2) of a row: the encoder
-    gets almost no signal at H = 16."""
+    """Rows of rms latent_std. "bits": row d = S[d] @ V / sqrt(H), S[d] the +-1 bits of code d and
+    V an (H, D) normal matrix: each bit moves R along its own direction, so the encoder hears the
+    decoder from the first step (with iid rows, "random", each bit gets about 2^(-H/2) of a row)."""
     std = cfg.latent_std
     with torch.no_grad():
         if cfg.latent_init == "bits":
@@ -559,10 +546,9 @@ def build_model(cfg):
 
 
 def lm_loss(logits, targets, latent=None, kappa=0.0):
-    """Cross-entropy, plus for the Free Transformer (`latent`, the forward's second output) the
-    free-bits KL term mean_t max(0, KL_t - kappa), with the hinge applied per token before
-    averaging. Returns (total, {"ce", "kl", "r_rms_ratio"}) with detached parts for logging:
-    KL and r_rms_ratio (rms(R) / rms(the stream R joins)) falling towards 0 is posterior collapse."""
+    """Cross-entropy, plus for the Free Transformer (`latent`, the forward's second output) the free-bits
+    KL term mean_t max(0, KL_t - kappa), hinged per token. Returns (total, {"ce", "kl", "r_rms_ratio"}),
+    the parts detached for logging: KL or r_rms_ratio falling towards 0 is posterior collapse."""
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     if latent is None:
         return ce, {"ce": ce.detach()}
@@ -572,12 +558,9 @@ def lm_loss(logits, targets, latent=None, kappa=0.0):
 
 
 def comparable_losses(model, x, y, parts):
-    """Evaluation figures of the Free Transformer that compare with a baseline's CE. Its CE
-    reads Z from the encoder, which has seen the whole row: Z carries up to KL nats per token
-    about the very tokens predicted, so that CE flatters it. Comparable are nll_bound = CE + KL,
-    the per-token upper bound on -log p(x) (the conditional VAE's evidence bound, Z_t iid
-    uniform under the prior), and prior_ce, the CE with Z drawn from the prior as in generation
-    (one more forward). Returns (nll_bound, {"nll_bound", "prior_ce"})."""
+    """The Free Transformer's figures that compare with a baseline's CE, which its own CE does not: Z
+    from the encoder has seen the row. nll_bound = CE + KL bounds -log p(x) per token (Z_t uniform
+    under the prior); prior_ce is the CE with Z from the prior, as in generation (one more forward)."""
     prior_logits, _ = model(x, mode="inference")
     prior_ce, _ = lm_loss(prior_logits, y)  # no latent: the CE alone
     bound = parts["ce"] + parts["kl"]
@@ -589,9 +572,9 @@ def count_params(model):
 
 
 def matmul_params(cfg):
-    """Parameters that take part in a matmul per token (for FLOP counts): the blocks and the LM
-    head, not the embedding lookup nor the post-sampler lookup. The Free Transformer's encoder
-    block adds a block's attention+MLP less its query projection (ζ is projected once)."""
+    """Parameters in a matmul per token (for FLOP counts): the blocks and the LM head, not the two
+    lookups (embedding, post-sampler). The encoder block is a block less its query projection
+    (ζ is projected once)."""
     d, kv = cfg.d_model, cfg.n_kv_head * (cfg.d_model // cfg.n_head)
     per_block = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_hidden
     encoder = per_block - d * d + d * cfg.latent_bits if cfg.arch == "free" else 0
@@ -599,11 +582,9 @@ def matmul_params(cfg):
 
 
 def flops_per_token(cfg, seq_len):
-    """6 * N_matmul for forward+backward, plus attention scores and values with the causal
-    mask discounted: 6 * n_layer * d_model * seq_len, half of the 12 * L * D * T that
-    torchtitan and nanoGPT count. The MFU reported here is therefore the conservative one.
-    The Free Transformer adds its encoder's attention (not causal: 12 * D * T) and the Binary
-    Mapper's backward GEMM (dR @ W^T, 2 * 2^H * D; its forward is a row lookup)."""
+    """6 * N_matmul (forward and backward) plus causal attention, 6 * L * D * T: half the 12 * L * D * T
+    of torchtitan and nanoGPT, so the MFU is the conservative one. The Free Transformer adds its
+    non-causal encoder attention (12 * D * T) and the Binary Mapper's backward GEMM (2 * 2^H * D)."""
     flops = 6 * matmul_params(cfg) + 6 * cfg.n_layer * cfg.d_model * seq_len
     if cfg.arch == "free":
         flops += 12 * cfg.d_model * seq_len + 2 * 2 ** cfg.latent_bits * cfg.d_model
