@@ -1,32 +1,25 @@
 """Benchmark harness: the real training step of train_fsdp.py over a matrix of settings.
 
-    python bench.py --suite single      # one GPU: ~1B baseline and Free Transformer, eager and compiled
-    python bench.py --suite small       # 6 x 384 (~10M), compiled: none / ddp / fsdp / fsdp2 on 1 GPU and all GPUs
-    python bench.py --suite multi       # all GPUs of the node: strategies, prefetch, AC, accumulation
-    python bench.py --suite knobs       # forward_prefetch, limit_all_gathers off, CPU offload
-    python bench.py --suite tune        # one GPU: the compiled 1B at micro-batch 8 and 12
-    python bench.py --suite free        # one GPU: Free Transformer vs baseline at 1b (16 layers) and 1.5b (24)
-    python bench.py --suite text        # one GPU: data-loader share on real packed text vs random tokens
-    python bench.py --suite capacity    # 1.5b and 8b: FULL_SHARD + AC vs DDP
-    python bench.py --suite sweep --memory-cap-gib 78      # largest model: FULL_SHARD + AC vs DDP + AC
-    python bench.py --suite 8b --memory-cap-gib 78         # the 8B shapes, compiled, for MFU (fsdp and fsdp2)
-    python bench.py --suite offload --memory-cap-gib 78    # CPU offload past the GPU-only limit
+    python bench.py --suite NAME [--only TEXT] [--memory-cap-gib N] [--timeout-s S]
     make bench SUITE=multi
 
-Every entry is a torchrun launch of train_fsdp.py on `--dataset random` (uniform tokens, so
-loading costs nothing), with a metrics line every step (each one CUDA-synchronised). The
-first WARMUP steps (allocator warm-up, compilation) are dropped and the median of the rest is
-reported: step time, tokens/s per GPU, MFU against the bf16 dense peak (989 TFLOP/s on H100 and
-H200) and against a measured 8192^3 bf16 GEMM rate, peak allocated and reserved memory per
-GPU (max over ranks) and the fraction of step time spent fetching batches. Results go to
-OUT/bench.json and OUT/bench.md.
+Suites, one function each below with what it compares: single, small, multi, knobs, tune, free,
+text, capacity, sweep, 8b and offload (the last three with --memory-cap-gib, to ask whether a
+run fits a smaller card).
 
---memory-cap-gib N limits every process's CUDA caching allocator to N GiB
-(torch.cuda.set_per_process_memory_fraction), so a larger card answers "does it fit on an
-80 GB H100" (78 GiB usable) for real: a run over the cap fails with out-of-memory.
+Every entry is a torchrun launch of train_fsdp.py on `--dataset random` (uniform tokens, so
+loading costs nothing), with a metrics line every step. The first steps (allocator warm-up,
+compilation) are dropped and the median of the rest is reported: step time, tokens/s per GPU,
+MFU against the card's bf16 dense peak and against a measured bf16 GEMM rate, peak allocated and
+reserved memory per GPU (max over ranks) and the share of the step spent fetching batches.
+Results go to OUT/bench_SUITE.json and OUT/bench_SUITE.md.
+
+--memory-cap-gib N caps every process's CUDA caching allocator at N GiB
+(torch.cuda.set_per_process_memory_fraction), so a larger card answers whether a run fits a
+smaller one: a run over the cap fails with out-of-memory.
 
 The text suite reads bench_data/corpus.txt: if absent it is built from the Python standard
-library's .py files (sorted, about 12 MB), and the trainer trains its 32k BPE tokenizer once.
+library's .py files, and the trainer trains its BPE tokenizer on it once.
 """
 
 import argparse
@@ -53,13 +46,15 @@ CORPUS_BYTES = 12 << 20
 
 
 FSDP2 = ["--strategy", "fsdp2"]
-# The small model of issue 15: 6 x 384 (~10.7M parameters with a 256-token vocabulary), sequence 256,
-# compiled, micro-batch 16 per GPU.
+# A small model (6 x 384 with a 256-token vocabulary), sequence 256, compiled, micro-batch 16 per
+# GPU: a step short enough that FSDP's fixed costs per unit show.
 SMALL = ["--arch", "baseline", "--n-layer", "6", "--d-model", "384", "--n-head", "6", "--seq-len", "256",
          "--tokenizer-vocab-size", "256", "--compile"]
 # The whole model as one FSDP unit (the size rule with a threshold above the model's size): one
 # gather and one reduce-scatter a step instead of one per block.
 ONE_UNIT = ["--auto-wrap", "size", "--min-num-params", "100000000"]
+SHARD_GRAD_OP = ["--sharding-strategy", "SHARD_GRAD_OP"]
+HYBRID_2X2 = ["--sharding-strategy", "HYBRID_SHARD", "--hybrid-shard-size", "2"]
 
 
 def width_4096(n_layer):
@@ -67,134 +62,159 @@ def width_4096(n_layer):
     return ["--size", "8b", "--arch", "baseline", "--n-layer", str(n_layer)]
 
 
+def batch(micro, n_gpu):
+    """--micro-batch micro on each of n_gpu processes, no gradient accumulation."""
+    return ["--micro-batch", str(micro), "--global-batch", str(micro * n_gpu)]
+
+
+# Each suite: ngpu -> [(entry name, processes, extra flags, steps[, warmup]), ...]
+
+def single(ngpu):
+    """One GPU: the 1b baseline and Free Transformer, eager and compiled."""
+    one = ONE_B + batch(8, 1)
+    return [("1b baseline eager", 1, one, 12),
+            ("1b free eager", 1, one + ["--arch", "free"], 12),
+            ("1b baseline compile", 1, one + ["--compile"], 14),
+            ("1b baseline compile fsdp2", 1, one + ["--compile"] + FSDP2, 14),
+            ("1b free compile", 1, one + ["--arch", "free", "--compile"], 14),
+            ("1b free compile fsdp2", 1, one + ["--arch", "free", "--compile"] + FSDP2, 14)]
+
+
+def small(ngpu):
+    """The same small step under each strategy: FSDP's per-unit overhead against one device and DDP."""
+    one, many = SMALL + batch(16, 1), SMALL + batch(16, ngpu)
+    return [("small none 1 GPU", 1, one + ["--strategy", "none"], 40, 10),
+            ("small fsdp 1 GPU", 1, one, 40, 10),
+            ("small fsdp2 1 GPU", 1, one + FSDP2, 40, 10),
+            ("small fsdp one unit 1 GPU", 1, one + ONE_UNIT, 40, 10),
+            ("small fsdp2 one unit 1 GPU", 1, one + FSDP2 + ONE_UNIT, 40, 10),
+            ("small ddp", ngpu, many + ["--strategy", "ddp"], 40, 10),
+            ("small fsdp", ngpu, many, 40, 10),
+            ("small fsdp2", ngpu, many + FSDP2, 40, 10),
+            ("small fsdp one unit", ngpu, many + ONE_UNIT, 40, 10),
+            ("small fsdp2 one unit", ngpu, many + FSDP2 + ONE_UNIT, 40, 10),
+            ("small fsdp2 SHARD_GRAD_OP", ngpu, many + FSDP2 + SHARD_GRAD_OP, 40, 10)]
+
+
+def multi(ngpu):
+    """All GPUs of the node: sharding strategies, prefetch, activation checkpointing, accumulation."""
+    each = ONE_B + batch(8, ngpu)
+    accum = ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu)]
+    return [("1 GPU FULL_SHARD", 1, ONE_B + batch(8, 1), 10),
+            ("FULL_SHARD", ngpu, each, 10),
+            ("SHARD_GRAD_OP", ngpu, each + SHARD_GRAD_OP, 10),
+            ("NO_SHARD", ngpu, each + ["--sharding-strategy", "NO_SHARD"], 10),
+            ("HYBRID_SHARD 2x2", ngpu, each + HYBRID_2X2, 10),
+            ("DDP", ngpu, [a for a in each if a != "--meta-init"] + ["--strategy", "ddp"], 10),
+            ("BACKWARD_POST", ngpu, each + ["--backward-prefetch", "BACKWARD_POST"], 10),
+            ("prefetch NONE", ngpu, each + ["--backward-prefetch", "NONE"], 10),
+            ("AC every block", ngpu, each + ["--activation-checkpointing"], 10),
+            ("AC every 2nd block", ngpu, each + ["--activation-checkpointing", "--ac-every", "2"], 10),
+            ("accum 2 no_sync", ngpu, accum + ["--grad-accum-mode", "no_sync"], 10),
+            ("accum 2 sync", ngpu, accum + ["--grad-accum-mode", "sync"], 10),
+            ("fsdp2 FULL_SHARD", ngpu, each + FSDP2, 10),
+            ("fsdp2 SHARD_GRAD_OP", ngpu, each + FSDP2 + SHARD_GRAD_OP, 10),
+            ("fsdp2 HYBRID_SHARD 2x2", ngpu, each + FSDP2 + HYBRID_2X2, 10),
+            ("fsdp2 accum 2 no_sync", ngpu, accum + FSDP2, 10)]
+
+
+def tune(ngpu):
+    """One GPU: the compiled 1b at micro-batch 8, 12 and 16, under fsdp and fsdp2."""
+    def micro(n):
+        return ONE_B + batch(n, 1) + ["--compile"]
+    # On one process fsdp2 runs FULL_SHARD as SHARD_GRAD_OP (the trainer resolves it so): the
+    # SHARD_GRAD_OP entries repeat the plain fsdp2 ones there, a second reading.
+    return [("1b baseline compile", 1, micro(8), 14),
+            ("1b baseline compile micro 12", 1, micro(12), 14),
+            ("1b baseline compile micro 16", 1, micro(16), 14),
+            ("1b free compile", 1, micro(8) + ["--arch", "free"], 14),
+            ("1b baseline compile fsdp2", 1, micro(8) + FSDP2, 14),
+            ("1b baseline compile fsdp2 SHARD_GRAD_OP", 1, micro(8) + FSDP2 + SHARD_GRAD_OP, 14),
+            ("1b baseline compile micro 12 fsdp2", 1, micro(12) + FSDP2, 14),
+            ("1b baseline compile micro 16 fsdp2", 1, micro(16) + FSDP2, 14),
+            ("1b baseline compile micro 12 fsdp2 SHARD_GRAD_OP", 1, micro(12) + FSDP2 + SHARD_GRAD_OP, 14),
+            ("1b baseline compile micro 12 fsdp2 one unit", 1, micro(12) + FSDP2 + ONE_UNIT, 14),
+            ("1b free compile fsdp2", 1, micro(8) + ["--arch", "free"] + FSDP2, 14)]
+
+
+def knobs(ngpu):
+    """FSDP's optional knobs: forward prefetch, limit_all_gathers off, CPU offload."""
+    each = ONE_B + batch(8, ngpu)
+    return [("forward_prefetch", ngpu, each + ["--forward-prefetch"], 10),
+            ("no limit_all_gathers", ngpu, each + ["--no-limit-all-gathers"], 10),
+            ("CPU offload", ngpu, each + ["--cpu-offload"], 7),
+            ("fsdp2 forward_prefetch", ngpu, each + FSDP2 + ["--forward-prefetch"], 10),
+            ("fsdp2 CPU offload", ngpu, each + FSDP2 + ["--cpu-offload"], 7)]
+
+
+def free(ngpu):
+    """One GPU: the Free Transformer against the baseline at 1b (16 layers) and 1.5b (24)."""
+    one = batch(8, 1) + ["--compile"]
+    big = ["--size", "1.5b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
+    return [("1b baseline compile", 1, ONE_B + one, 14),
+            ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14),
+            ("1.5b baseline compile", 1, big + one, 14),
+            ("1.5b free compile", 1, big + one + ["--arch", "free"], 14)]
+
+
+def text(ngpu):
+    """One GPU: the data loader's share of the step on packed text against random tokens."""
+    one = ONE_B + batch(8, 1) + ["--compile"]
+    corpus = ["--dataset", CORPUS, "--tokenizer-vocab-size", "32000", "--cache-dir", "bench_data/cache"]
+    return [("1b compile, random tokens", 1, one, 14),
+            ("1b compile, packed text", 1, one + corpus, 14)]
+
+
+def capacity(ngpu):
+    """1.5b and 8b: FULL_SHARD with activation checkpointing against DDP."""
+    runs = []
+    for size in ("1.5b", "8b"):
+        model = ["--size", size, "--arch", "baseline"] + batch(2, ngpu)
+        runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
+        runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
+    free_8b = ["--size", "8b", "--arch", "free", "--meta-init", "--activation-checkpointing"] + batch(2, ngpu)
+    return runs + [("8b free FULL_SHARD+AC", ngpu, free_8b, 7),
+                   ("8b free FULL_SHARD+AC fsdp2", ngpu, free_8b + FSDP2, 7)]
+
+
+def sweep(ngpu):
+    """Width 4096 at growing depth, activation checkpointing for both, so the difference is the
+    sharding alone: the deepest model DDP fits against the deepest FULL_SHARD fits."""
+    each = batch(2, ngpu) + ["--activation-checkpointing"]
+    return ([(f"DDP+AC {n} layers", ngpu, width_4096(n) + each + ["--strategy", "ddp"], 6) for n in (16, 18, 20)]
+            + [(f"FULL_SHARD+AC {n} layers", ngpu, width_4096(n) + each + ["--meta-init"], 6) for n in (76, 80, 84)]
+            + [(f"fsdp2 FULL_SHARD+AC {n} layers", ngpu, width_4096(n) + each + ["--meta-init"] + FSDP2, 6)
+               for n in (76, 80, 84)])
+
+
+def eight_b(ngpu):
+    """The 8b shapes, compiled, for MFU under fsdp and fsdp2."""
+    model = ["--size", "8b", "--meta-init", "--compile"] + batch(2, ngpu)
+    micro4 = ["--arch", "free"] + batch(4, ngpu) + ["--activation-checkpointing", "--ac-every", "2"]
+    return [("8b baseline compile", ngpu, model + ["--arch", "baseline"], 10),
+            ("8b free compile", ngpu, model + ["--arch", "free"], 10),
+            ("8b free compile micro 4 AC every 2nd", ngpu, model + micro4, 10),
+            ("8b baseline compile fsdp2", ngpu, model + ["--arch", "baseline"] + FSDP2, 10),
+            ("8b free compile fsdp2", ngpu, model + ["--arch", "free"] + FSDP2, 10),
+            ("8b free compile micro 4 AC every 2nd fsdp2", ngpu, model + micro4 + FSDP2, 10)]
+
+
+def offload(ngpu):
+    """Past the GPU-only limit of the sweep: parameters, gradients and AdamW state on the host.
+    The optimizer then runs on the CPU and a step is slow: 4 steps, the median of the last 2."""
+    flags = batch(2, ngpu) + ["--activation-checkpointing", "--meta-init", "--cpu-offload"]
+    return [("CPU offload+AC 96 layers", ngpu, width_4096(96) + flags, 4, 2)]
+
+
+SUITES = {"single": single, "small": small, "multi": multi, "knobs": knobs, "tune": tune, "free": free,
+          "text": text, "capacity": capacity, "sweep": sweep, "8b": eight_b, "offload": offload}
+
+
 def suite(name, ngpu):
-    """(entry name, processes, extra flags, steps) for each run of a suite."""
-    per_gpu = ["--micro-batch", "8", "--global-batch", str(8 * ngpu)]
-    if name == "single":
-        one = ["--micro-batch", "8", "--global-batch", "8"]
-        return [("1b baseline eager", 1, ONE_B + one, 12),
-                ("1b free eager", 1, ONE_B + one + ["--arch", "free"], 12),
-                ("1b baseline compile", 1, ONE_B + one + ["--compile"], 14),
-                ("1b baseline compile fsdp2", 1, ONE_B + one + ["--compile"] + FSDP2, 14),
-                ("1b free compile", 1, ONE_B + one + ["--arch", "free", "--compile"], 14),
-                ("1b free compile fsdp2", 1, ONE_B + one + ["--arch", "free", "--compile"] + FSDP2, 14)]
-    if name == "small":
-        # Per step, the same call: FSDP1's per-unit overhead against one device and DDP, and FSDP2's.
-        one = ["--micro-batch", "16", "--global-batch", "16"]
-        many = ["--micro-batch", "16", "--global-batch", str(16 * ngpu)]
-        return [("small none 1 GPU", 1, SMALL + one + ["--strategy", "none"], 40, 10),
-                ("small fsdp 1 GPU", 1, SMALL + one, 40, 10),
-                ("small fsdp2 1 GPU", 1, SMALL + one + FSDP2, 40, 10),
-                ("small fsdp one unit 1 GPU", 1, SMALL + one + ONE_UNIT, 40, 10),
-                ("small fsdp2 one unit 1 GPU", 1, SMALL + one + FSDP2 + ONE_UNIT, 40, 10),
-                ("small ddp", ngpu, SMALL + many + ["--strategy", "ddp"], 40, 10),
-                ("small fsdp", ngpu, SMALL + many, 40, 10),
-                ("small fsdp2", ngpu, SMALL + many + FSDP2, 40, 10),
-                ("small fsdp one unit", ngpu, SMALL + many + ONE_UNIT, 40, 10),
-                ("small fsdp2 one unit", ngpu, SMALL + many + FSDP2 + ONE_UNIT, 40, 10),
-                ("small fsdp2 SHARD_GRAD_OP", ngpu, SMALL + many + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"],
-                 40, 10)]
-    if name == "multi":
-        runs = [("1 GPU FULL_SHARD", 1, ONE_B + ["--micro-batch", "8", "--global-batch", "8"], 10),
-                ("FULL_SHARD", ngpu, ONE_B + per_gpu, 10),
-                ("SHARD_GRAD_OP", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "SHARD_GRAD_OP"], 10),
-                ("NO_SHARD", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "NO_SHARD"], 10),
-                ("HYBRID_SHARD 2x2", ngpu, ONE_B + per_gpu + ["--sharding-strategy", "HYBRID_SHARD",
-                                                              "--hybrid-shard-size", "2"], 10),
-                ("DDP", ngpu, [a for a in ONE_B if a != "--meta-init"] + per_gpu + ["--strategy", "ddp"], 10),
-                ("BACKWARD_POST", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "BACKWARD_POST"], 10),
-                ("prefetch NONE", ngpu, ONE_B + per_gpu + ["--backward-prefetch", "NONE"], 10),
-                ("AC every block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing"], 10),
-                ("AC every 2nd block", ngpu, ONE_B + per_gpu + ["--activation-checkpointing", "--ac-every", "2"], 10),
-                ("accum 2 no_sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
-                                                   "--grad-accum-mode", "no_sync"], 10),
-                ("accum 2 sync", ngpu, ONE_B + ["--micro-batch", "4", "--global-batch", str(8 * ngpu),
-                                                "--grad-accum-mode", "sync"], 10),
-                ("fsdp2 FULL_SHARD", ngpu, ONE_B + per_gpu + FSDP2, 10),
-                ("fsdp2 SHARD_GRAD_OP", ngpu, ONE_B + per_gpu + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"], 10),
-                ("fsdp2 HYBRID_SHARD 2x2", ngpu, ONE_B + per_gpu + FSDP2 + ["--sharding-strategy", "HYBRID_SHARD",
-                                                                            "--hybrid-shard-size", "2"], 10),
-                ("fsdp2 accum 2 no_sync", ngpu, ONE_B + FSDP2 + ["--micro-batch", "4", "--global-batch",
-                                                                 str(8 * ngpu)], 10)]
-        return runs
-    if name == "tune":
-        def micro(n):
-            return ["--global-batch", str(n), "--micro-batch", str(n), "--compile"]
-        return [("1b baseline compile", 1, ONE_B + micro(8), 14),
-                ("1b baseline compile micro 12", 1, ONE_B + micro(12), 14),
-                ("1b baseline compile micro 16", 1, ONE_B + micro(16), 14),
-                ("1b free compile", 1, ONE_B + micro(8) + ["--arch", "free"], 14),
-                ("1b baseline compile fsdp2", 1, ONE_B + micro(8) + FSDP2, 14),
-                # On one process fsdp2 runs FULL_SHARD as SHARD_GRAD_OP (train_fsdp.resolve_strategy):
-                # the SHARD_GRAD_OP entries repeat the plain fsdp2 ones there, a second reading.
-                ("1b baseline compile fsdp2 SHARD_GRAD_OP", 1, ONE_B + micro(8) + FSDP2 + ["--sharding-strategy",
-                                                                                         "SHARD_GRAD_OP"], 14),
-                ("1b baseline compile micro 12 fsdp2", 1, ONE_B + micro(12) + FSDP2, 14),
-                ("1b baseline compile micro 16 fsdp2", 1, ONE_B + micro(16) + FSDP2, 14),
-                ("1b baseline compile micro 12 fsdp2 SHARD_GRAD_OP", 1,
-                 ONE_B + micro(12) + FSDP2 + ["--sharding-strategy", "SHARD_GRAD_OP"], 14),
-                ("1b baseline compile micro 12 fsdp2 one unit", 1, ONE_B + micro(12) + FSDP2 + ONE_UNIT, 14),
-                ("1b free compile fsdp2", 1, ONE_B + micro(8) + ["--arch", "free"] + FSDP2, 14)]
-    if name == "knobs":
-        return [("forward_prefetch", ngpu, ONE_B + per_gpu + ["--forward-prefetch"], 10),
-                ("no limit_all_gathers", ngpu, ONE_B + per_gpu + ["--no-limit-all-gathers"], 10),
-                ("CPU offload", ngpu, ONE_B + per_gpu + ["--cpu-offload"], 7),
-                ("fsdp2 forward_prefetch", ngpu, ONE_B + per_gpu + FSDP2 + ["--forward-prefetch"], 10),
-                ("fsdp2 CPU offload", ngpu, ONE_B + per_gpu + FSDP2 + ["--cpu-offload"], 7)]
-    if name == "free":
-        one = ["--micro-batch", "8", "--global-batch", "8", "--compile"]
-        big = ["--size", "1.5b", "--arch", "baseline", "--meta-init", "--no-tie-embeddings"]
-        return [("1b baseline compile", 1, ONE_B + one, 14),
-                ("1b free compile", 1, ONE_B + one + ["--arch", "free"], 14),
-                ("1.5b baseline compile", 1, big + one, 14),
-                ("1.5b free compile", 1, big + one + ["--arch", "free"], 14)]
-    if name == "text":
-        one = ["--micro-batch", "8", "--global-batch", "8", "--compile"]
-        text = ["--dataset", CORPUS, "--tokenizer-vocab-size", "32000", "--cache-dir", "bench_data/cache"]
-        return [("1b compile, random tokens", 1, ONE_B + one, 14),
-                ("1b compile, packed text", 1, ONE_B + one + text, 14)]
-    if name == "capacity":
-        runs = []
-        for size in ("1.5b", "8b"):
-            model = ["--size", size, "--arch", "baseline", "--micro-batch", "2", "--global-batch", str(2 * ngpu)]
-            runs.append((f"{size} FULL_SHARD+AC", ngpu, model + ["--meta-init", "--activation-checkpointing"], 7))
-            runs.append((f"{size} DDP", ngpu, model + ["--strategy", "ddp"], 7))
-        free_8b = ["--size", "8b", "--arch", "free", "--meta-init", "--activation-checkpointing", "--micro-batch", "2",
-                   "--global-batch", str(2 * ngpu)]
-        runs.append(("8b free FULL_SHARD+AC", ngpu, free_8b, 7))
-        runs.append(("8b free FULL_SHARD+AC fsdp2", ngpu, free_8b + FSDP2, 7))
-        return runs
-    if name == "sweep":
-        # Width 4096 at growing depth, micro-batch 2, activation checkpointing for both, so the
-        # difference is the sharding alone. Run with --memory-cap-gib 78 for an 80 GB H100.
-        runs = []
-        per_gpu = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing"]
-        for layers in (16, 18, 20):
-            runs.append((f"DDP+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--strategy", "ddp"], 6))
-        for layers in (76, 80, 84):
-            runs.append((f"FULL_SHARD+AC {layers} layers", ngpu, width_4096(layers) + per_gpu + ["--meta-init"], 6))
-        for layers in (76, 80, 84):
-            runs.append((f"fsdp2 FULL_SHARD+AC {layers} layers", ngpu,
-                         width_4096(layers) + per_gpu + ["--meta-init"] + FSDP2, 6))
-        return runs
-    if name == "8b":
-        model = ["--size", "8b", "--meta-init", "--compile", "--global-batch", str(2 * ngpu), "--micro-batch", "2"]
-        micro4 = ["--arch", "free", "--global-batch", str(4 * ngpu), "--micro-batch", "4", "--activation-checkpointing",
-                  "--ac-every", "2"]
-        return [("8b baseline compile", ngpu, model + ["--arch", "baseline"], 10),
-                ("8b free compile", ngpu, model + ["--arch", "free"], 10),
-                ("8b free compile micro 4 AC every 2nd", ngpu, model + micro4, 10),
-                ("8b baseline compile fsdp2", ngpu, model + ["--arch", "baseline"] + FSDP2, 10),
-                ("8b free compile fsdp2", ngpu, model + ["--arch", "free"] + FSDP2, 10),
-                ("8b free compile micro 4 AC every 2nd fsdp2", ngpu, model + micro4 + FSDP2, 10)]
-    if name == "offload":
-        # Past the GPU-only limit of the sweep: parameters, gradients and AdamW state on the host.
-        # A step takes tens of seconds (the optimizer runs on the CPU), so 4 steps, median of the last 2.
-        flags = ["--micro-batch", "2", "--global-batch", str(2 * ngpu), "--activation-checkpointing",
-                 "--meta-init", "--cpu-offload"]
-        return [("CPU offload+AC 96 layers", ngpu, width_4096(96) + flags, 4, 2)]
-    raise SystemExit(f"--suite {name}: valid suites are single, small, multi, knobs, tune, free, text, capacity, "
-                     "sweep, 8b, offload")
+    """(entry name, processes, extra flags, steps[, warmup]) for each run of a suite."""
+    if name not in SUITES:
+        raise SystemExit(f"--suite {name}: valid suites are {', '.join(SUITES)}")
+    return SUITES[name](ngpu)
 
 
 def gemm_tflops():
@@ -289,12 +309,11 @@ def markdown(rows, header):
 
 def build_arg_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", default="single",
-                   help="single, small, multi, knobs, tune, free, text, capacity, sweep, 8b or offload")
+    p.add_argument("--suite", default="single", help=f"one of {', '.join(SUITES)}")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="where results and logs go")
     p.add_argument("--only", default="", help="run only entries whose name contains this")
     p.add_argument("--memory-cap-gib", type=float, default=0, help="limit each process to this much GPU memory "
-                   "(78 = an 80 GB H100's usable memory); 0 = the whole card")
+                   "(a smaller card's usable memory); 0 = the whole card")
     p.add_argument("--timeout-s", type=float, default=0, help="stop an entry that runs longer than this "
                    "(torchrun and its workers; recorded as an error); 0 = no limit")
     return p
