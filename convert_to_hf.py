@@ -194,33 +194,49 @@ def load_model(path, meta):
     return model.eval()
 
 
+def check_convertible(path, meta):
+    """BadInput unless the checkpoint holds this project's baseline model trained on its data: a
+    model of the user's own (run(build_model=...)) records no `arch`, its own data no `dataset`."""
+    model, data = meta["config"].get("model") or {}, meta["config"].get("data") or {}
+    if model.get("arch") not in ("baseline", "free") or "dataset" not in data:
+        raise BadInput(f"{path} holds a model or data of your own (its config has no model arch or no dataset): "
+                       "convert_to_hf.py converts only this project's baseline model (model.py) with its tokenizer")
+    if model["arch"] != "baseline":
+        raise BadInput(f"{path} holds a Free Transformer: its latent path (encoder, binary mapper, post-sampler) "
+                       "has no Hugging Face architecture; consolidate its weights with python train_fsdp.py --export "
+                       f"{path} and sample it with sample.py")
+
+
 def convert(path, out_dir):
     """Check everything, then write OUT_DIR through a staging directory renamed into place."""
     import safetensors.torch
     path = train_fsdp.follow_marker(path)
     train_fsdp.require_checkpoint_dir(path, "CHECKPOINT_DIR", "a checkpoint directory such as RUN/checkpoints/step_N")
     meta = train_fsdp.check_checkpoint(path)
-    if meta["config"]["model"]["arch"] != "baseline":
-        raise BadInput(f"{path} holds a Free Transformer: its latent path (encoder, binary mapper, post-sampler) "
-                       "has no Hugging Face architecture; consolidate its weights with python train_fsdp.py --export "
-                       f"{path} and sample it with sample.py")
+    check_convertible(path, meta)
     if os.path.isfile(out_dir) or (os.path.isdir(out_dir) and os.listdir(out_dir)):
         raise BadInput(f"OUT_DIR {out_dir} exists and is not an empty directory; give a new or empty one")
     tokenizer = hf_tokenizer(meta["tokenizer"])
     model = load_model(path, meta)
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    config, weights = hf_config(model.cfg, meta, tokenizer), hf_weights(model.state_dict(), model.cfg)
+    # A symlink is written through: the directory it names gets the files, the link stays.
+    target = os.path.realpath(out_dir)
+    parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out_dir))}-{os.getpid()}")
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(target)}-{os.getpid()}")
     try:
         os.makedirs(tmp)
-        write_json(os.path.join(tmp, "config.json"), hf_config(model.cfg, meta, tokenizer))
-        safetensors.torch.save_file(hf_weights(model.state_dict(), model.cfg),
-                                    os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_json(os.path.join(tmp, "config.json"), config)
+        safetensors.torch.save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         # safetensors creates its file owner-only (0600); give it the mode of the files beside it
         shutil.copymode(os.path.join(tmp, "config.json"), os.path.join(tmp, "model.safetensors"))
         tokenizer.save_pretrained(tmp)
         pin_tokenizer_class(tmp)
-        os.replace(tmp, out_dir)  # replaces an empty OUT_DIR too
+        os.replace(tmp, target)  # replaces an empty OUT_DIR too
+    except Exception as e:  # a full disk: safetensors raises its own error type, not OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise RunFailed(f"cannot write {out_dir} ({type(e).__name__}: {reason}); nothing was written") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

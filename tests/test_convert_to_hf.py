@@ -9,8 +9,10 @@ the tokenizer's, another --rope-theta), `synthetic` (the built-in task's alphabe
 padded to 32) and `free` (a Free Transformer, to be refused). The text runs save at steps 2
 (sharded only) and 4 (sharded plus the consolidated model.pt), so both reading paths are converted.
 """
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +71,7 @@ def step(run_dir, n):
 def converted(runs):
     """{name: (checkpoint, OUT_DIR)}: char's step 2 through the command line (FSDP1 DCP shards),
     bpe's step 2 (FSDP2 DCP shards) and latest (step 4: model.pt) in this process."""
-    out = {name: runs["tmp"] / f"hf-{name}" for name in ("char", "bpe", "bpe_full", "synthetic")}
+    out = {name: runs["tmp"] / f"converted-{name}" for name in ("char", "bpe", "bpe_full", "synthetic")}
     res = subprocess.run([sys.executable, "convert_to_hf.py", step(runs["char"], 2), str(out["char"])], cwd=ROOT,
                          env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.startswith(f"wrote {out['char']}"), res.stdout + res.stderr
@@ -167,3 +169,54 @@ def test_bad_input_one_line_exit_2_nothing_written(runs, tmp_path, capsys, monke
     assert err.count("\n") == 1 and "pip install transformers safetensors" in err, err
     after = sorted(os.listdir(free)), sorted(os.listdir(step(runs["bpe"], 4))), sorted(os.listdir(tmp_path))
     assert after == before
+
+
+def one_error_line(capsys, *expected):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and all(e in err for e in expected), err
+
+
+def test_a_full_disk_is_one_line_exit_1_and_nothing_left(runs, tmp_path, capsys, monkeypatch):
+    """safetensors fails mid-file with its own error type (not OSError), as on a full disk."""
+    import safetensors
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"\0" * 100)
+        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        assert convert_to_hf.run([step(runs["bpe"], 4), str(out)]) == 1
+        one_error_line(capsys, f"cannot write {out}", "No space left on device", "nothing was written")
+        assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(tmp_path / "empty") == []
+
+
+def test_a_checkpoint_of_your_own_model_is_refused_in_one_line(runs, tmp_path, capsys):
+    """A run of the user's own model (run(build_model=...)) records its own settings in the
+    config's model section, or none, and no `arch`; its own data no `dataset`."""
+    sections = {"none": {"model": {}}, "own settings": {"model": {"n_embd": 48, "n_layer": 2}},
+                "own data": {"data": {}}}
+    for name, section in sections.items():
+        ckpt = tmp_path / name / "step_0000004"
+        shutil.copytree(step(runs["bpe"], 4), ckpt)
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["config"].update(section)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+        assert convert_to_hf.run([str(ckpt), str(tmp_path / name / "hf")]) == 2, name
+        one_error_line(capsys, "converts only this project's baseline model")
+        assert sorted(os.listdir(tmp_path / name)) == ["step_0000004"]
+
+
+def test_out_dir_a_symlink_to_an_empty_directory_is_written_through(runs, tmp_path):
+    target, link = tmp_path / "target", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    assert convert_to_hf.run([step(runs["synthetic"], 2), str(link)]) == 0
+    assert link.is_symlink() and link.resolve() == target
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(target))
+    assert sorted(os.listdir(tmp_path)) == ["link", "target"]
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(link)).__name__ == "LlamaForCausalLM"
