@@ -166,6 +166,14 @@ def block_start_figure(summary):
     return fig
 
 
+def unknown_characters(sp, text):
+    """Characters of `text` that a SentencePiece model without byte fallback (a char tokenizer)
+    encodes as <unk>: said, since the model then reads something other than what was typed."""
+    if sp is None or sp.unk_id() < 0:
+        return []
+    return sorted(c for c in set(text) if sp.unk_id() in sp.encode(c))
+
+
 def installed(package):
     """Whether an optional package imports (it is imported only when a flag asks for it)."""
     try:
@@ -240,6 +248,10 @@ def main(argv=None):
         data_lib.encode(sp, args.prompt)  # the synthetic vocabulary has 30 characters
     except data_lib.DataError as e:
         fail(f"--prompt {args.prompt!r}: {e}")
+    unknown = unknown_characters(sp, args.prompt)
+    if unknown:
+        print(f"note: --prompt characters {unknown} are not in the run's tokenizer; the model reads each as <unk>",
+              file=sys.stderr)
     # demo files go to the run directory when the checkpoint sits in one, else beside the file
     ckpt_file = os.path.abspath(find_checkpoint(args.ckpt))
     step_dir = os.path.dirname(ckpt_file)
