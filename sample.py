@@ -87,10 +87,9 @@ def batch_stats(texts, letter):
 
 
 def same_noise_share(texts):
-    """For each '!' (the task's noise) that a sample of the batch writes, the share of the other
-    samples that write a '!' at the same place, averaged over the '!': about the noise rate (1/16)
-    when each sample draws its noise independently, 1 when all share it (when a fixed Z carries
-    the noise). None when the batch writes no '!'."""
+    """The share of the other samples that write a '!' (the task's noise) where a sample does, averaged
+    over its '!': about the noise rate when each draws its noise, 1 when a shared Z carries it. None
+    when the batch writes no '!'."""
     counts = collections.Counter(i for t in texts for i, c in enumerate(t[2:]) if c == "!")
     total = sum(counts.values())
     if not total or len(texts) < 2:
@@ -105,13 +104,9 @@ def entropy(values):
 
 
 def synthetic_demo(model, device, seed, n_batches=8, batch=32):
-    """Fixed Z (one prior draw shared by the batch) versus fresh Z (a draw per sample). Also the
-    entropy of the block starts under fresh Z, pooled over batches, beside the uniform one
-    (log 57): a model whose own start distribution is skewed has a same-start share under fresh
-    Z above the ~9% of uniform starts, and that share, not 9%, is the reference for fixed Z.
-    The prompt's Z comes from the prior, as for every generated position. What else Z carries
-    shows in the '!' noise: the share of '!' that another sample of the batch writes at the same
-    place (same_noise_share, over the batches that write one), under fixed Z against fresh Z."""
+    """Fixed Z (one prior draw shared by the batch, prompt included) against fresh Z (a draw per
+    sample): same block start, well formed, same '!'. The start entropy under fresh Z shows how skewed
+    the model's own starts are: fresh Z, not uniform starts, is the reference for fixed Z."""
     gen = torch.Generator(device=device).manual_seed(seed)
     n_codes = 2 ** model.cfg.latent_bits if model.cfg.arch == "free" else 1
     total = 3 + data_lib.SYNTH_BODY
@@ -212,7 +207,7 @@ def check_args(args):
         fail(f"--device {args.device}: no CUDA device here; use --device cpu")
 
 
-def main(argv=None):
+def build_arg_parser():
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="run directory (its latest checkpoint), RUN/checkpoints/best (the lowest "
                    "validation loss), a checkpoint directory or a model.pt")
@@ -230,7 +225,11 @@ def main(argv=None):
     p.add_argument("--figure", action="store_true", help="with --demo: also save demo_block_starts.png, the "
                    "block starts under fixed vs fresh Z (needs matplotlib)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_arg_parser().parse_args(argv)
     check_args(args)
     if not args.ckpt:
         fail("--ckpt is required: a run directory, a checkpoint directory or a model.pt")
@@ -252,49 +251,14 @@ def main(argv=None):
     if unknown:
         print(f"note: --prompt characters {unknown} are not in the run's tokenizer; the model reads each as <unk>",
               file=sys.stderr)
-    # demo files go to the run directory when the checkpoint sits in one, else beside the file
-    ckpt_file = os.path.abspath(find_checkpoint(args.ckpt))
-    step_dir = os.path.dirname(ckpt_file)
-    in_run = os.path.basename(os.path.dirname(step_dir)) == "checkpoints"
-    run_dir = os.path.dirname(os.path.dirname(step_dir)) if in_run else step_dir
-
     if args.demo:
-        if ckpt["config"]["data"]["dataset"] != "synthetic":
-            print("no demo: the run is not on the built-in synthetic task")
-            return None
-        # The run's trackers (config.json: --tensorboard, --wandb) get the demonstration too.
-        train = {}
-        if in_run and os.path.isfile(os.path.join(run_dir, "config.json")):
-            with open(os.path.join(run_dir, "config.json")) as fh:
-                train = json.load(fh)["train"]
-        for package in ("tensorboard", "wandb"):  # the config's fields are named as the packages
-            if train.get(package) and not installed(package):
-                fail(f"the run logged to {package}, which is not installed here: pip install {package}")
-        draw = bool(args.figure or train.get("tensorboard") or train.get("wandb"))
-        if draw and not installed("matplotlib"):
-            print("the run's trackers get the demonstration's numbers, not its figure: pip install matplotlib")
-            draw = False
-        summary, samples = synthetic_demo(model, device, args.seed)
-        with open(os.path.join(run_dir, "demo.json"), "w") as fh:
-            json.dump(summary, fh, indent=1)
-        figure = block_start_figure(summary) if draw else None
-        if args.figure:
-            figure.savefig(os.path.join(run_dir, "demo_block_starts.png"))
-            print(f"saved {os.path.join(run_dir, 'demo_block_starts.png')}")
-        runs_report.demo_to_trackers(run_dir, train, ckpt["step"], summary, figure)
-        with open(os.path.join(run_dir, "demo_samples.txt"), "w") as fh:
-            fh.write("\n".join(s.replace("\n", "|") for s in samples) + "\n")
-        print("\n".join(s.replace("\n", "|") for s in samples[:4] + samples[8:12]))
-        for name in ("fixed_z", "fresh_z"):
-            print(f"{summary['arch']} {name}: same block start {100 * summary[name]['same_start_share']:.1f}% "
-                  f"of a batch, well formed {100 * summary[name]['well_formed_share']:.1f}%, "
-                  f"a '!' shared by {100 * summary[name]['same_noise_share']:.1f}% of the other samples")
-        print(f"entropy of the block start under fresh Z: {summary['fresh_z']['start_entropy']:.2f} nats "
-              f"(uniform over the {data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1} starts: "
-              f"{summary['uniform_start_entropy']:.2f}); fresh Z is the reference for fixed Z, not uniform starts")
-        print(f"saved {os.path.join(run_dir, 'demo.json')} and demo_samples.txt")
-        return summary
+        return demo(args, model, ckpt, device)
+    print_samples(args, model, sp, device)
+    return None
 
+
+def print_samples(args, model, sp, device):
+    """Print --num-samples continuations of the prompt; with --fixed-z all share one Z draw."""
     text = args.prompt or ("\nK>" if sp is None else "\n")
     ids = data_lib.encode(sp, text)
     prompt = torch.tensor([ids] * args.num_samples, device=device)
@@ -308,6 +272,61 @@ def main(argv=None):
     out, _ = model.generate(prompt, new, args.temperature, args.top_k, z=z, prompt_z=args.prompt_z, generator=gen)
     for row in out:
         print(repr(data_lib.decode(sp, row.tolist())))
+
+
+def demo_dirs(ckpt_arg):
+    """(run directory, whether the checkpoint sits in one): the demonstration's files go to the run
+    directory, else beside the checkpoint file."""
+    step_dir = os.path.dirname(os.path.abspath(find_checkpoint(ckpt_arg)))
+    in_run = os.path.basename(os.path.dirname(step_dir)) == "checkpoints"
+    return (os.path.dirname(os.path.dirname(step_dir)) if in_run else step_dir), in_run
+
+
+def run_trackers(run_dir, in_run):
+    """The `train` section of the run's config.json (its --tensorboard, --wandb), checked before the
+    demonstration runs: a tracker the run used must be importable here."""
+    train = {}
+    if in_run and os.path.isfile(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as fh:
+            train = json.load(fh)["train"]
+    for package in ("tensorboard", "wandb"):  # the config's fields are named as the packages
+        if train.get(package) and not installed(package):
+            fail(f"the run logged to {package}, which is not installed here: pip install {package}")
+    return train
+
+
+def demo(args, model, ckpt, device):
+    """--demo: the synthetic demonstration into demo.json, demo_samples.txt, the figure and the run's
+    trackers; returns its summary."""
+    if ckpt["config"]["data"]["dataset"] != "synthetic":
+        print("no demo: the run is not on the built-in synthetic task")
+        return None
+    run_dir, in_run = demo_dirs(args.ckpt)
+    train = run_trackers(run_dir, in_run)
+    draw = bool(args.figure or train.get("tensorboard") or train.get("wandb"))
+    if draw and not installed("matplotlib"):
+        print("the run's trackers get the demonstration's numbers, not its figure: pip install matplotlib")
+        draw = False
+    summary, samples = synthetic_demo(model, device, args.seed)
+    with open(os.path.join(run_dir, "demo.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    figure = block_start_figure(summary) if draw else None
+    if args.figure:
+        figure.savefig(os.path.join(run_dir, "demo_block_starts.png"))
+        print(f"saved {os.path.join(run_dir, 'demo_block_starts.png')}")
+    runs_report.demo_to_trackers(run_dir, train, ckpt["step"], summary, figure)
+    with open(os.path.join(run_dir, "demo_samples.txt"), "w") as fh:
+        fh.write("\n".join(s.replace("\n", "|") for s in samples) + "\n")
+    print("\n".join(s.replace("\n", "|") for s in samples[:4] + samples[8:12]))
+    for name in ("fixed_z", "fresh_z"):
+        print(f"{summary['arch']} {name}: same block start {100 * summary[name]['same_start_share']:.1f}% "
+              f"of a batch, well formed {100 * summary[name]['well_formed_share']:.1f}%, "
+              f"a '!' shared by {100 * summary[name]['same_noise_share']:.1f}% of the other samples")
+    print(f"entropy of the block start under fresh Z: {summary['fresh_z']['start_entropy']:.2f} nats "
+          f"(uniform over the {data_lib.SYNTH_BODY - data_lib.SYNTH_BLOCK + 1} starts: "
+          f"{summary['uniform_start_entropy']:.2f}); fresh Z is the reference for fixed Z, not uniform starts")
+    print(f"saved {os.path.join(run_dir, 'demo.json')} and demo_samples.txt")
+    return summary
 
 
 if __name__ == "__main__":
