@@ -99,14 +99,9 @@ def hf_weights(state, cfg):
 
 
 def sentencepiece_tokenizer(path):
-    """A `tokenizers` Tokenizer with the ids of the SentencePiece model at `path`, for the
-    settings data.py trains with (identity normalisation, no dummy prefix, spaces kept as "▁"):
-    BPE merges ranked by the merged piece's score, Unigram with the model's scores, a char model
-    as BPE without merges; byte fallback and fused unknowns as SentencePiece does; user-defined
-    pieces ("\\n") matched first, whole. Control pieces are special tokens that text never
-    produces (split_special_tokens). One difference is left, in Unigram models only: a text that
-    spells a control or byte piece ("<s>", "<0x41>") gets that piece's id, where SentencePiece
-    spells it out; HF's Unigram has no way to keep a piece out of its lattice."""
+    """A `tokenizers` Tokenizer with the ids of the SentencePiece model at `path`, for the settings
+    data.py trains with. One difference is left, in Unigram models only: a text that spells a control
+    or byte piece ("<s>", "<0x41>") gets its id; HF's Unigram cannot keep a piece out of its lattice."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
@@ -124,6 +119,8 @@ def sentencepiece_tokenizer(path):
         raise BadInput(f"tokenizer {path}: its {', '.join(unsupported)} setting is not one data.py trains with; "
                        "convert_to_hf.py converts SentencePiece models trained by data.py (bpe, unigram, char)")
     pieces = [(p.piece, p.score) for p in proto.pieces]
+    # BPE merges ranked by the merged piece's score; a char model is BPE without merges. Byte
+    # fallback and fused unknowns as SentencePiece does.
     if spec.model_type == spec.UNIGRAM:
         model = models.Unigram(pieces, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback)
     else:
@@ -137,6 +134,8 @@ def sentencepiece_tokenizer(path):
     # SentencePiece decodes an unknown piece as its unk_surface (" ⁇ "), a byte run as its UTF-8.
     tok.decoder = decoders.Sequence([decoders.Replace(spec.unk_piece, spec.unk_surface), decoders.Replace("▁", " "),
                                      decoders.ByteFallback(), decoders.Fuse()])
+    # User-defined pieces ("\n") are matched first, whole; control pieces are special tokens that
+    # text never produces (split_special_tokens).
     tok.add_tokens([AddedToken(p.piece, normalized=False, special=False)
                     for p in proto.pieces if p.type == kind.USER_DEFINED])
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
