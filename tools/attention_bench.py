@@ -1,4 +1,4 @@
-"""Exact causal attention at the 1b shape (issue 27): forward + backward time and TFLOP/s of
+"""Exact causal attention at the 1b shape: forward + backward time and TFLOP/s of
 SDPA's default choice, its built-in flash kernel and, when a provider package is importable,
 the FA4 / FA3 kernels of PyTorch's flash-attention registry; each checked against fp32 math.
 Usage: python tools/attention_bench.py [fa4 | fa3 ...]"""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Free Transformer against the baseline on text (issue 22), on 2 GPUs at once:
+# The Free Transformer against the baseline on text, on 2 GPUs at once (BENCHMARKS.md):
 #   GPU 0: 6 x 384 Free Transformer on characters + the 1b Free Transformer on packed BPE text
 #   GPU 1: the same two baselines
 # then tools/ft_text_probe.py (what Z carries) on the character runs.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Save and load times of a ~1B model on every GPU of the node, sharded vs full checkpoints
-# (lines "saved ... in X s" and "resumed from ... in Y s" of the training log).
+# (lines "saved ... in X s" and "resumed from ... in Y s" of the training log), and their size.
+#   OUT=dir bash tools/gpu_checkpoint_times.sh      (logs go to $OUT, default ./gpu_logs)
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training time lost to a --save-every checkpoint, synchronous vs --async-save, on every GPU of
-# the node (issue 16): the same run with no save, with blocking saves and with background saves
+# the node (BENCHMARKS.md): the same run with no save, with blocking saves and with background saves
 # at steps 4 and 8 of 11. Prints the seconds each save blocked training (the "saved"/"staged"
 # log lines), the median step time, the slowest step after a save and the whole run's wall time.
 # Usage: OUT=dir bash tools/gpu_save_times.sh [size]   (size: 1b or 8b; 8b wants 4 GPUs)

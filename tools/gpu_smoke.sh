@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks that CPU CI cannot run (run on a lent GPU machine; logs go to $OUT or ./gpu_logs):
-# make train-free-fsdp on every GPU, the GPU-only FSDP knobs (cpu_offload, sync_module_states,
-# fp16 + ShardedGradScaler, compile), and a ~1B FULL_SHARD step-time / MFU / memory reading.
+# GPU checks that CPU CI cannot run: make train-free-fsdp on every GPU, the GPU-only FSDP knobs
+# (cpu_offload under FSDP1 and FSDP2, sync_module_states, fp16 with its grad scaler, compile) and
+# a few steps of the 1b model of both architectures. Each run's exit code and last lines.
+#   OUT=dir bash tools/gpu_smoke.sh       (logs go to $OUT, default ./gpu_logs)
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore

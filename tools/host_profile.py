@@ -1,4 +1,4 @@
-"""Where a host-bound step's CPU time goes (issue 27): cProfile of one rank of a train_fsdp.py run
+"""Where a host-bound step's CPU time goes: cProfile of one rank of a train_fsdp.py run
 over steps FROM..TO-1 only (compilation and warm-up left out), then the per-step milliseconds of
 the whole loop and of the optimizer step, and the functions that cost the most in their own time.
 FROM 0 profiles from the launch (imports included) to the start of step TO instead, and lists the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train several synthetic-task runs at once on one GPU with the trainer, then run the demo on
-# each and tabulate them (issue 11's confirmation; BENCHMARKS.md).
+# each and tabulate them (the use of Z in BENCHMARKS.md).
 #   bash tools/latent_confirm.sh JOBS OUTDIR
 # JOBS: a file (- for standard input) of "NAME trainer flags..." per line (BENCHMARKS.md gives each
 # study's list as the command that ran it); every run uses configs/synthetic.toml, one process,

@@ -1,4 +1,4 @@
-"""Launch-to-first-step time and steady step time of whole training commands (issue 27).
+"""Launch-to-first-step time and steady step time of whole training commands (tools/speed_gpu.sh runs it).
 
     python tools/startup_bench.py [--skip N] OUT.json NAME=COMMAND [NAME=COMMAND ...]
 
