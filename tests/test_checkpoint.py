@@ -962,7 +962,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(cli_runs, 
 
 
 def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables(ref2, four, one, tmp_path):
-    """MetadataCheckingReader's allow-list: the .metadata of checkpoints of every strategy (fsdp
+    """read_dcp_metadata's allow-list: the .metadata of checkpoints of every strategy (fsdp
     with each sharding, fsdp2, ddp, none; fp16 scaler; 1, 2 and 4 processes) reads as DCP's own
     reader reads it; generic callables and containers no DCP metadata holds are refused."""
     runs = [r[2] for r in (*ref2.values(), *four.values(), *one.values())]
@@ -970,7 +970,7 @@ def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables
     dirs = [d for d in dirs if os.path.isdir(d)]
     assert len(dirs) > 40
     for d in dirs:
-        ours, theirs = train_fsdp.MetadataCheckingReader(d).read_metadata(), dcp.FileSystemReader(d).read_metadata()
+        ours, theirs = train_fsdp.read_dcp_metadata(d), dcp.FileSystemReader(d).read_metadata()
         ours.storage_meta.load_id = theirs.storage_meta.load_id  # a fresh id per reader
         assert ours == theirs, d
     for name, obj in [("builtins.eval", Pickled(eval, "1")), ("posix.system", Pickled(os.system, "true")),
@@ -980,7 +980,7 @@ def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables
         os.makedirs(tmp_path / name)
         pickled(obj)(tmp_path / name / ".metadata")
         with pytest.raises(train_fsdp.BadInput, match=f"refused to load .*{name}"):
-            train_fsdp.MetadataCheckingReader(str(tmp_path / name)).read_metadata()
+            train_fsdp.read_dcp_metadata(str(tmp_path / name))
 
 
 def test_a_distcp_entry_that_would_run_code_is_refused(tmp_path):

@@ -288,8 +288,8 @@ def patched_writer(mode):
     of the write of step 4 never returns. fail4rank1: rank 1's write of step 4 fails (ENOSPC)."""
     from torch.distributed.checkpoint import filesystem
     Writer = filesystem._FileSystemWriter
-    real_write, real_finish, real_start, real_step = (Writer.write_data, Writer.finish, train_fsdp.start_async_save,
-                                                     train_fsdp.train_step)
+    real_write, real_finish, real_start, real_step = (Writer.write_data, Writer.finish,
+                                                     train_fsdp.Checkpointer.start_async_save, train_fsdp.train_step)
     trained = threading.Condition()
     state = {"steps": 0, "armed": {}}
 
@@ -300,9 +300,9 @@ def patched_writer(mode):
             trained.notify_all()
         return out
 
-    def start_async_save(path, *args, **kwargs):
+    def start_async_save(self, path, *args, **kwargs):
         state["armed"][os.path.basename(path)] = state["steps"]
-        return real_start(path, *args, **kwargs)
+        return real_start(self, path, *args, **kwargs)
 
     def write_data(self, plan, planner):
         name = os.path.basename(os.path.dirname(str(self.path))).removeprefix(".tmp-")
@@ -318,7 +318,7 @@ def patched_writer(mode):
             threading.Event().wait()  # held until the test kills the process
         return real_finish(self, metadata, results)
     Writer.write_data, Writer.finish = write_data, finish
-    train_fsdp.start_async_save, train_fsdp.train_step = start_async_save, train_step
+    train_fsdp.Checkpointer.start_async_save, train_fsdp.train_step = start_async_save, train_step
 
 
 if __name__ == "__main__":
