@@ -153,6 +153,14 @@ def test_help_in_another_repo_points_at_the_users_script(repo, tmp_path):
                           "own repo, run your script that calls train_fsdp.run(...) with your seams (its --help lists "
                           "its flags)\n")
     assert os.listdir(tmp_path) == ["train_fsdp.py"]
+    # A repo with a model.py of its own (nanoGPT's layout): not this project's, the same line.
+    (tmp_path / "model.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass GPTConfig:\n"
+                                       "    n_layer: int = 2\n")
+    res = subprocess.run([sys.executable, "train_fsdp.py", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == train_fsdp.EXIT_BAD_INPUT and res.stderr == (
+        "error: this project's model.py cannot be imported here (module 'model' has no attribute 'ModelConfig'): in "
+        "your own repo, run your script that calls train_fsdp.run(...) with your seams (its --help lists its flags)\n")
     bad = own(repo, "decay", ["--n-embd", "32", "--bogus", "1"])
     assert error_line(bad, train_fsdp.EXIT_BAD_INPUT, alone=True) == (
         "error: unrecognized arguments: --bogus 1 (python own.py --help lists the valid flags)")
@@ -317,9 +325,8 @@ def test_every_rank_says_its_error_before_the_process_group(tmp_path):
                               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "train_fsdp.py", *args,
                               "--out-dir", tmp_path / "two"], cwd=ROOT, env=clean_env(), capture_output=True,
                              text=True, timeout=120)
-        # In the text, not a line of its own: a rank writes the message and its newline apart, so the
-        # other rank's or torchrun's lines may fall between them.
-        assert res.returncode != 0 and line in res.stderr, res.stderr[-3000:]
+        # A line of its own: each rank writes its message and newline at once, so lines never merge.
+        assert res.returncode != 0 and line in res.stderr.splitlines(), res.stderr[-3000:]
     assert not (tmp_path / "one").exists() and not (tmp_path / "two").exists()
 
 
