@@ -26,4 +26,4 @@ for r in "${names[@]}"; do
 done >"$out/metrics.jsonl"
 done_runs=()
 for r in "${names[@]}"; do [[ -f "$r/demo.json" ]] && done_runs+=("$r"); done
-python3 sample.py --summarize "${done_runs[@]}" | tee "$out/summary.md"
+python3 runs_report.py "${done_runs[@]}" --table | tee "$out/summary.md"
