@@ -8,7 +8,8 @@ tests/test_latent_use.py makes at a small width on the CPU.
 The loop is the trainer's (AdamW, decay on >= 2-D weights, linear warm-up then cosine to 10 %,
 clip 1.0, global batch 64, bf16 autocast on a GPU, fp32 on the CPU) without distribution or
 checkpoints. Every --eval-every steps it writes a JSON line: validation CE and KL with Z from
-the encoder, CE with Z from the prior (the gap is what the decoder reads from Z), r_rms_ratio.
+the encoder, CE with Z from the prior (the gap is what the decoder reads from Z), r_rms_ratio
+and z_swap_kl (how far the decoder's predictions move when Z is redrawn).
 At the end the synthetic demonstration (sample.py) gives the fixed-Z / fresh-Z same-start shares.
 """
 
@@ -83,10 +84,18 @@ def evaluate_rows(model, data, a, device, ctx):
             if latent is not None:
                 prior_logits, _ = model(x, mode="inference")
                 parts["prior_ce"] = model_lib.lm_loss(prior_logits, y)[0]
+                parts["z_swap_kl"] = swap_kl(prior_logits, model(x, mode="inference")[0])
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + float(v) * x.shape[0]
     model.train()
     return {f"val_{k}": v / n for k, v in sums.items()}
+
+
+def swap_kl(logits_a, logits_b):
+    """Mean KL per token between the predictions under two draws of Z: how much the decoder's output
+    depends on Z, whether or not Z carries anything about the row yet."""
+    log_a, log_b = logits_a.float().log_softmax(-1), logits_b.float().log_softmax(-1)
+    return (log_a.exp() * (log_a - log_b)).sum(-1).mean()
 
 
 def main(argv=None):

@@ -4,10 +4,10 @@ baseline's after the same number of steps (the block position is then carried by
 shows Z in use; it is not a comparison of the two models (Z was read from the very row): the
 comparable figures are val_nll_bound (CE + KL) and val_prior_ce.
 
-The run uses 2 free bits per token (kappa = 2 log 2 nats), not the default half bit. Whether Z
-gets used within 400 steps of this tiny model is seed- and machine-dependent at half a bit
-(2026-11-26, 2-core CPU: 4 of 6 seeds, and not the default seed 1337, beat the baseline by
-0.01); at 2 bits all 9 seeds tried did (CE 0.136-0.314 against the baseline's 0.338)."""
+The run uses 2 free bits per token (kappa = 2 log 2 nats), not the default half bit: at half a
+bit, whether Z gets used within 400 steps of this tiny model depends on the seed and the machine
+(4 of 6 seeds beat the baseline by 0.01); at 2 bits all 9 seeds tried did (CE 0.136-0.314 against
+the baseline's 0.338)."""
 import math
 import os
 import sys

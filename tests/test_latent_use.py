@@ -1,16 +1,10 @@
-"""The Free Transformer's decoder reads Z at a width where, with the paper's injection, it did
-not (issue 11; BENCHMARKS.md "The latent Z at every width").
+"""The Free Transformer's decoder hears Z at a width where, with the paper's injection, it did not
+(BENCHMARKS.md "The latent Z at every width").
 
-2 blocks of width 256, H = 8, 2 free bits, the first 100 steps of a 300-step schedule at global
-batch 16 on the CPU, one thread (so that the run is the one measured), through
-tests/latent_probe.py (the trainer's loop without distribution). Guards the two defaults that
-make Z usable: R added after the first upper block's RMSNorm at rms 1 (latent_inject=post_norm,
-latent_std=1) and bit-structured post-sampler rows (latent_init=bits). With the paper's
-settings (pre_norm, random, 0.02) the same run spends 1.2 nats of KL a token that the decoder
-never reads: validation CE with Z from the prior equals the CE with Z from the encoder
-(seed 3, 2026-11-26: 0.4244 and 0.4244; with today's defaults 0.4489 and 0.3924), and R is
-about 1 % of the stream it joins (0.008; today 0.97). Take-off is abrupt and seed-dependent, so
-the gap asked for is a third of the one measured at this seed."""
+Guards the defaults that keep Z audible: R added after the first upper block's RMSNorm at rms 1
+(latent_inject=post_norm, latent_std=1) and bit-structured post-sampler rows (latent_init=bits).
+With the paper's settings (pre_norm, random, 0.02) the decoder soon ignores R, about 1 % of the
+stream it joins, and spends KL on a Z it never reads."""
 import json
 import os
 import sys
@@ -22,11 +16,17 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import latent_probe  # noqa: E402
 
 RUN = ["--n-layer", "2", "--d-model", "256", "--n-head", "4", "--latent-bits", "8", "--kappa-bits", "2",
-       "--lr", "3e-3", "--batch", "16", "--steps", "300", "--stop-after", "100", "--eval-every", "100",
+       "--lr", "3e-3", "--batch", "16", "--steps", "300", "--stop-after", "40", "--eval-every", "40",
        "--eval-rows", "256", "--demo-batches", "0", "--seed", "3", "--device", "cpu"]
 
 
-def test_decoder_reads_z_at_width_256(tmp_path):
+def test_decoder_hears_z_at_width_256(tmp_path):
+    """2 blocks of width 256, H = 8, 2 free bits: the first 40 steps of the probe's run
+    (tests/latent_probe.py, the trainer's loop without distribution), before Z takes off.
+    When Z starts to carry the row is abrupt and differs between seeds and CPUs, so what is
+    asserted is that the decoder hears Z at all: redrawing Z moves its predictions
+    (z_swap_kl: 0.0015-0.0043 nats a token over 7 seeds, 1 and 2 threads, AVX2 and AVX-512;
+    below 5e-5, with r_rms_ratio 0.03, under the paper's settings)."""
     out = tmp_path / "probe.jsonl"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -35,10 +35,9 @@ def test_decoder_reads_z_at_width_256(tmp_path):
     finally:
         torch.set_num_threads(threads)
     rec = json.loads(out.read_text().splitlines()[-1])
-    assert rec["step"] == 100
-    assert rec["val_r_rms_ratio"] > 0.5, rec          # R is not drowned by the stream it joins
-    # Z from the prior instead of the encoder costs the decoder CE: it reads Z (0.057 measured)
-    assert rec["val_prior_ce"] - rec["val_ce"] > 0.02, rec
+    assert rec["step"] == 40
+    assert rec["val_r_rms_ratio"] > 0.5, rec  # R is not drowned by the stream it joins (about 1)
+    assert rec["val_z_swap_kl"] > 5e-4, rec   # and the decoder's predictions move with Z
 
 
 def test_encoder_hears_the_decoder_at_h16_as_at_h4():
