@@ -1,5 +1,5 @@
 """Does the Free Transformer use Z? A lean one-device run on the synthetic task, for studies of
-the latent at many widths at once (tools/latent_sweep.sh runs several on one GPU), and the run
+the latent at many widths at once (several runs can share one GPU), and the run
 tests/test_latent_use.py makes at a small width on the CPU.
 
     python tests/latent_probe.py --n-layer 6 --d-model 384 --n-head 6 --latent-bits 16 --steps 3000 \
