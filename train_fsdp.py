@@ -428,7 +428,8 @@ def error_line(e):
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """Activation checkpointing of every ac_every-th block, torch.compile, then the wrapper. A model
+    """Activation checkpointing of every ac_every-th block, torch.compile, then the wrapper (under
+    --compile-scope blocks outside fsdp2, checkpointing recomputes the compiled forward). A model
     built on the meta device (--meta-init) is materialised and initialised here (init_fn: the
     model's init_module) in one order for every strategy (init_order), so the weights do not
     depend on the strategy or the world size."""
@@ -439,11 +440,11 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     regional = cfg.train.compile and compiles_blocks(cfg, n_params)
     mode = compile_mode(cfg, n_params)
     order = init_order(model, units)  # before compile wrappers change the module tree
+    if regional and strategy != "fsdp2":
+        for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
+            b.forward = torch.compile(b.forward, mode=mode)
     if f.activation_checkpointing:
         checkpoint_blocks(blocks[::f.ac_every])
-    if regional and strategy != "fsdp2":
-        for b in blocks:  # in place: the class stays, so the wrap rules still find it
-            b.compile(mode=mode)
     if strategy == "fsdp2":
         model = fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, mode if regional else None)
     elif strategy == "fsdp":

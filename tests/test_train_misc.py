@@ -34,6 +34,8 @@ def runs(tmp_path_factory):
         "plain": [],
         "compiled": ["--compile"],
         "compiled_blocks": ["--compile", "--compile-scope", "blocks"],
+        "checkpointed": ["--activation-checkpointing"],
+        "compiled_blocks_checkpointed": ["--compile", "--compile-scope", "blocks", "--activation-checkpointing"],
         "fsdp2_one_unit": ["--strategy", "fsdp2", "--auto-wrap", "auto"],
         "fsdp2_one_unit_compiled": ["--strategy", "fsdp2", "--auto-wrap", "auto", "--compile"],
         "scaled": ["--lr-scale-base-batch", "4", "--lr", "1e-3"],
@@ -57,6 +59,13 @@ def test_compile_with_fsdp_matches_eager(runs):
 def test_compiling_each_block_matches_eager(runs):
     """--compile-scope blocks: each block compiled in place before FSDP wraps it, same losses."""
     assert_same(runs["compiled_blocks"][0], runs["plain"][0], rel=1e-4)
+
+
+def test_activation_checkpointing_matches_plain_compiled_or_not(runs):
+    """Checkpointed blocks recompute their forward in backward: the same losses as without, and
+    checkpointing around each compiled block (--compile-scope blocks) trains like eager."""
+    assert_same(runs["checkpointed"][0], runs["plain"][0], rel=1e-6)
+    assert_same(runs["compiled_blocks_checkpointed"][0], runs["plain"][0], rel=1e-4)
 
 
 def test_compiled_fsdp2_of_one_unit_matches_eager_and_saves_the_same_keys(runs):
