@@ -1,5 +1,5 @@
 """The Free Transformer's decoder hears Z at a width where, with the paper's injection, it did not
-(BENCHMARKS.md "The latent Z at every width").
+(BENCHMARKS.md "The use of Z on the synthetic task", docs/free-transformer.md).
 
 Guards the defaults that keep Z audible: R added after the first upper block's RMSNorm at rms 1
 (latent_inject=post_norm, latent_std=1) and bit-structured post-sampler rows (latent_init=bits).
