@@ -898,7 +898,10 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     with torch.device("meta") if cfg.fsdp.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
     name_run_dir(cfg, model)
-    about = describe_model(model, cfg, plan, topo)  # before wrapping: the plain model's names and counts
+    if c.init_from:  # a bad path or shape fails before anything is written
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        rank0_does(lambda: check_init_from(c.init_from, shapes), topo.rank)
+    about = describe_model(model, plan)  # before wrapping: the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
     log = RunLog(t.out_dir, topo.rank)
@@ -1729,7 +1732,7 @@ def prepare_run_dir(cfg, rank, digests=None):
         existed = os.path.isdir(run_dir)
         lock, notes, new = lock_run_dir(run_dir) if existed else (None, [], False)  # held while deciding
         try:
-            resume, more = choose_start(cfg, digests)
+            resume, meta, more = choose_start(cfg, digests)
         except BaseException:
             if lock:
                 lock.close()
@@ -1744,7 +1747,7 @@ def prepare_run_dir(cfg, rank, digests=None):
             lock.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
             lock.flush()
         held.append(lock)
-        start_in(run_dir, resume, cfg)
+        start_in(run_dir, meta["step"] if resume else 0, cfg)
         return resume, notes + more, cfg.train.lr_decay_steps
     resume, notes, cfg.train.lr_decay_steps = rank0_does(decide, rank)
     return resume, notes, held[0] if held else None
@@ -1771,7 +1774,7 @@ def lock_run_dir(run_dir):
 
 
 def choose_start(cfg, digests):
-    """(checkpoint to resume or None, notes). A run directory that holds a run is continued (--resume
+    """(checkpoint to resume or None, its meta, notes). A run directory that holds a run is continued (--resume
     auto) when the config and the data match, refused otherwise, started afresh with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
     root, config_path = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "config.json")
@@ -1807,7 +1810,7 @@ def choose_start(cfg, digests):
         (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
     if old is not None:
         notes += resume_changes(cfg, old, meta, digests, resume)
-    return resume, notes
+    return resume, meta, notes
 
 
 def read_saved_config(config_path, run_dir):
@@ -1875,16 +1878,16 @@ def schedule_change(cfg, before, start):
     return f"learning rate ({t.lr_schedule}, lr_decay_steps {t.lr_decay_steps}): " + "; ".join(parts or ["unchanged"])
 
 
-def start_in(run_dir, resume, cfg):
+def start_in(run_dir, step, cfg):
     """Rank 0, the start decided: clear what a stopped attempt left, keep the metrics up to the step
-    resumed from, and save the config."""
+    the run starts from, and save the config."""
     root = os.path.join(run_dir, "checkpoints")
     if flight_recorder_dumps():  # the flight recorder's dumps need their directory
         os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, STOPPED_FILE))
-    keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), check_checkpoint(resume)["step"] if resume else 0)
-    if not resume:
+    keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), step)
+    if not step:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, "training_log.txt"))
     for name in os.listdir(root) if os.path.isdir(root) else []:
@@ -2022,8 +2025,9 @@ class RunLog:
 
     def close(self):
         for fh in (self.jsonl, self.text):
-            with contextlib.suppress(OSError, AttributeError):  # a failed write is in self.error already
-                fh.close()
+            if fh:
+                with contextlib.suppress(OSError):  # a failed write is in self.error already
+                    fh.close()
 
 
 def check_log_written(log, topo):
@@ -2179,13 +2183,9 @@ def peak_flops(device):
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def describe_model(model, cfg, plan, topo):
+def describe_model(model, plan):
     """What the run needs of the plain model before wrapping: its parameter counts, flops per token
-    (the model's own count, else 6 per parameter), what decays, and what its validation figures
-    mean. Checks --init-from's checkpoint against it, before anything is written."""
-    if cfg.checkpoint.init_from:
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        rank0_does(lambda: check_init_from(cfg.checkpoint.init_from, shapes), topo.rank)
+    (the model's own count, else 6 per parameter), what decays, and what its validation figures mean."""
     total = parameter_count(model)
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
     return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
