@@ -405,3 +405,14 @@ def test_a_nan_between_log_steps_is_never_saved(repo):
     stop = launch(repo, ["--strategy", "none", "--log-every", "10", "--out-dir", "nanstop"], NAN_AT="3", STOP_AT="3")
     assert error_line(stop, train_fsdp.EXIT_FAILED) == line
     assert saved(repo / "nanstop") == [] and not (repo / "nanstop" / "stopped.json").exists()
+
+
+def test_log_files_that_cannot_be_opened_are_kept_not_raised_on_rank_0(tmp_path):
+    """Rank 0 failing to open its log files keeps the error, as a failed write does (every rank
+    stops on it at the next step): raising there would stop rank 0 alone while the others wait in
+    a collective. The start-up lines, the config among them, go through the same log."""
+    (tmp_path / "metrics.jsonl").mkdir()  # open(..., "a") fails: IsADirectoryError
+    log = train_fsdp.RunLog(str(tmp_path), 0)
+    log.line("the config", file_too=False)
+    log.close()
+    assert log.error.startswith(f"writing {tmp_path / 'metrics.jsonl'} failed on rank 0"), log.error
