@@ -1758,7 +1758,7 @@ def lock_run_dir(run_dir):
     The kernel drops the lock when the process ends, however it ends: a killed run's never blocks
     a resume. Returns (the open file, or None on a file system without locks; notes; whether new)."""
     path = os.path.join(run_dir, RUN_LOCK)
-    new, fh = not os.path.exists(path), open(os.path.join(run_dir, RUN_LOCK), "a+")
+    new, fh = not os.path.exists(path), open(path, "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fh, [], new
@@ -1961,6 +1961,10 @@ class RunLog:
             except OSError as e:
                 self.failed(fh.name, e)
 
+    def failure(self):
+        """The RunFailed every rank raises once rank 0's log failed (the others hold no error text)."""
+        return RunFailed(self.error or "rank 0 could not write the run's log")
+
     def failed(self, what, e):
         self.error = self.error or f"writing {what} failed on rank 0 ({type(e).__name__}: {e}); the latest " \
                                    "checkpoint is intact"
@@ -2035,7 +2039,7 @@ def check_log_written(log, topo):
     failed = torch.tensor([int(log.error is not None)])
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=topo.control)
     if failed.item():
-        raise RunFailed(log.error or "rank 0 could not write the run's log")  # (other ranks have none)
+        raise log.failure()
 
 
 # Trackers: rank 0 only, opened once the step to continue from is known, each with a name,
@@ -2321,7 +2325,7 @@ class Stopper:
         flags = torch.tensor([self.reason, int(self.log.error is not None)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.control)
         if flags[1].item():
-            raise RunFailed(self.log.error or "rank 0 could not write the run's log")  # (other ranks have none)
+            raise self.log.failure()
         return flags[0].item()
 
     def leave(self, reason, step, run_dir):
