@@ -904,13 +904,14 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     about = describe_model(model, plan)  # before wrapping: the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
-    log = RunLog(t.out_dir, topo.rank)
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about["decay_names"])
     scaler = grad_scaler(cfg, topo.device)
+    start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, notes)
+    rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refused checkpoint changed nothing
+    log = RunLog(t.out_dir, topo.rank)
     for note in notes:
         log.line(note)
-    start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, log)
     log_summary(log, cfg, topo, plan, model, about, data.n_val)
     log.start_trackers(cfg, start_step)
 
@@ -1570,13 +1571,13 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         torch.manual_seed(seed + topo.rank + 1_000_003 * meta["step"])
 
 
-def restore_state(resume, model, optimizer, scaler, cfg, topo, log):
+def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
     """Resume from a checkpoint (under --resume auto a damaged one gives way to the next older,
-    said), or take the weights of --init-from, or neither. Returns (step, tokens seen)."""
+    noted), or take the weights of --init-from, or neither. Returns (step, tokens seen)."""
     if not resume:
         if cfg.checkpoint.init_from:
             init_weights_from(cfg.checkpoint.init_from, model)
-            log.line(f"initialised the weights from {cfg.checkpoint.init_from} (fresh optimizer, step 0)")
+            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} (fresh optimizer, step 0)")
         return 0, 0
     t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
     while True:
@@ -1591,10 +1592,8 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, log):
             if resume is None:
                 raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: start from its weights with "
                                 "--init-from, or afresh with --overwrite (which deletes its checkpoints)")
-            log.line(f"{e}; trying an older checkpoint")
-    if failed:  # resumed from an older step than planned: its later records will be logged again
-        log.keep_metrics_until(meta["step"])
-    log.line(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, saved by "
+            notes.append(f"{e}; trying an older checkpoint")
+    notes.append(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, saved by "
              f"{meta['world_size']} processes" +
              ("" if meta["world_size"] == topo.world else "; RNG streams re-seeded for the new world size") + ")")
     return meta["step"], meta["tokens_seen"]
@@ -1725,43 +1724,42 @@ def name_run_dir(cfg, model):
 def prepare_run_dir(cfg, rank, digests=None):
     """Rank 0 locks the run directory and decides where the run starts (choose_start); every rank
     learns it. Returns (checkpoint to resume or None, notes to log, the lock on rank 0). A refused
-    launch leaves the directory as it was."""
-    run_dir, held = cfg.train.out_dir, []
+    launch leaves the directory as it was: nothing but the lock is written before start_in."""
+    run_dir, held = cfg.train.out_dir, [None]
 
     def decide():
-        existed = os.path.isdir(run_dir)
-        lock, notes, new = lock_run_dir(run_dir) if existed else (None, [], False)  # held while deciding
+        new_dir, lock_path = not os.path.isdir(run_dir), os.path.join(run_dir, RUN_LOCK)
+        new_lock = not os.path.exists(lock_path)
+        os.makedirs(run_dir, exist_ok=True)
         try:
-            resume, meta, more = choose_start(cfg, digests)
+            held[0], notes = lock_run_dir(run_dir)  # held while deciding
+            resume, more = choose_start(cfg, digests)
         except BaseException:
-            if lock:
-                lock.close()
-            if new:
-                os.remove(os.path.join(run_dir, RUN_LOCK))
+            if held[0]:
+                held[0].close()
+            if new_lock and os.path.exists(lock_path):
+                os.remove(lock_path)
+            if new_dir:
+                os.rmdir(run_dir)
             raise
-        if not existed:
-            os.makedirs(run_dir, exist_ok=True)
-            lock, notes, _ = lock_run_dir(run_dir)
-        if lock:
-            lock.truncate(0)
-            lock.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-            lock.flush()
-        held.append(lock)
-        start_in(run_dir, meta["step"] if resume else 0, cfg)
+        if held[0]:
+            held[0].truncate(0)
+            held[0].write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+            held[0].flush()
         return resume, notes + more, cfg.train.lr_decay_steps
     resume, notes, cfg.train.lr_decay_steps = rank0_does(decide, rank)
-    return resume, notes, held[0] if held else None
+    return resume, notes, held[0]
 
 
 def lock_run_dir(run_dir):
     """flock RUN_DIR/run.lock: a second launch into the directory is refused, naming the holder.
     The kernel drops the lock when the process ends, however it ends: a killed run's never blocks
-    a resume. Returns (the open file, or None on a file system without locks; notes; whether new)."""
+    a resume. Returns (the open file, or None on a file system without locks; notes)."""
     path = os.path.join(run_dir, RUN_LOCK)
-    new, fh = not os.path.exists(path), open(path, "a+")
+    fh = open(path, "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fh, [], new
+        return fh, []
     except BlockingIOError:
         fh.seek(0)
         holder = fh.read().strip() or "another process"
@@ -1770,11 +1768,11 @@ def lock_run_dir(run_dir):
                        "for it to end or stop it, or choose another --out-dir")
     except OSError as e:  # e.g. Lustre mounted without flock
         fh.close()
-        return None, [f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not be refused"], new
+        return None, [f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not be refused"]
 
 
 def choose_start(cfg, digests):
-    """(checkpoint to resume or None, its meta, notes). A run directory that holds a run is continued (--resume
+    """(checkpoint to resume or None, notes). A run directory that holds a run is continued (--resume
     auto) when the config and the data match, refused otherwise, started afresh with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
     root, config_path = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "config.json")
@@ -1810,7 +1808,7 @@ def choose_start(cfg, digests):
         (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
     if old is not None:
         notes += resume_changes(cfg, old, meta, digests, resume)
-    return resume, meta, notes
+    return resume, notes
 
 
 def read_saved_config(config_path, run_dir):
@@ -1879,8 +1877,8 @@ def schedule_change(cfg, before, start):
 
 
 def start_in(run_dir, step, cfg):
-    """Rank 0, the start decided: clear what a stopped attempt left, keep the metrics up to the step
-    the run starts from, and save the config."""
+    """Rank 0, once the run's start is loaded: clear what a stopped attempt left, keep the metrics up
+    to the step the run starts from, and save the config."""
     root = os.path.join(run_dir, "checkpoints")
     if flight_recorder_dumps():  # the flight recorder's dumps need their directory
         os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
@@ -1977,12 +1975,6 @@ class RunLog:
                 tqdm.write(msg)  # above the bar, in a terminal
             except OSError as e:  # stdout redirected to a full disk (a Slurm log)
                 self.failed("stdout", e)
-
-    def keep_metrics_until(self, step):
-        if self.rank == 0 and self.error is None:  # keep_metric_lines replaces the file: reopen it
-            self.jsonl.close()
-            keep_metric_lines(self.jsonl.name, step)
-            self.jsonl = open(self.jsonl.name, "a")
 
     def start_trackers(self, cfg, start_step):
         if self.rank == 0:

@@ -877,6 +877,7 @@ def cli_runs(tmp_path_factory, ref2, one):
     marker = tmp / "MARKER"
     rng_run = interrupted_copy(one["none_save"][2], tmp / "refused_rng")  # 1 process: its RNG file is read
     pickle_of_same_size(marker)(os.path.join(ckpt_root(rng_run), "step_0000006", "rng_rank0.pt"))
+    dirs["resume_rng"] = (rng_run, snapshot(rng_run))
     jobs["resume_rng"] = lambda: cli(cmd_args(rng_run, cache, R + ["--strategy", "none"]))
     meta_step = shutil.copytree(os.path.join(ckpt_root(src), "step_0000009"), tmp / "refused_metadata")
     plant(meta_step, os.path.join("dcp", ".metadata"), pickled(payload(marker)))
@@ -886,6 +887,7 @@ def cli_runs(tmp_path_factory, ref2, one):
     pt_run = interrupted_copy(ref2["full"][2], tmp / "refused_pt")
     model_pt = os.path.join(ckpt_root(pt_run), "step_0000006", "model.pt")
     plant(os.path.dirname(model_pt), "model.pt", lambda p: torch.save({"model": payload(marker)}, p))
+    dirs["resume_pt"] = (pt_run, snapshot(pt_run))
     jobs["resume_pt"] = lambda: cli(cmd_args(pt_run, cache, R + VARIANTS["full"]))
     jobs["init_pt"] = lambda: cli(cmd_args(tmp / "init_pt", cache, ["--init-from", model_pt]))
     jobs["sample_pt"] = lambda: subprocess.run([sys.executable, "sample.py", "--ckpt", pt_run], cwd=ROOT,
@@ -953,12 +955,15 @@ REFUSALS = {"resume_rng": "refused_rng/checkpoints/step_0000006/rng_rank0.pt",  
 
 @pytest.mark.parametrize("job", list(REFUSALS))
 def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(cli_runs, job):
-    results, _, tmp = cli_runs
+    results, dirs, tmp = cli_runs
     line = error_line(results[job], train_fsdp.EXIT_BAD_INPUT, alone=True)
     assert f"refused to load {tmp / REFUSALS[job]}: it asks for {os.system.__module__}.system" in line, line
     assert not os.path.exists(tmp / "MARKER")
     assert not os.path.exists(tmp / "refused_metadata" / "model.pt")  # --export wrote nothing
     assert not os.path.exists(tmp / "init_metadata") and not os.path.exists(tmp / "init_pt")
+    if job in dirs:  # a refused resume leaves its run directory as it was (but the lock's holder)
+        run_dir, before = dirs[job]
+        assert {**snapshot(run_dir), "run.lock": None} == {**before, "run.lock": None}
 
 
 def test_metadata_reader_reads_every_strategys_checkpoints_and_refuses_callables(ref2, four, one, tmp_path):

@@ -425,7 +425,9 @@ def test_a_resume_refuses_a_changed_seam_setting(repo, group, tmp_path):
         cfg = train_fsdp.parse_config(["--out-dir", str(tmp_path), "--max-steps", "8", *argv],
                                       train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
         return cfg
-    train_fsdp.prepare_run_dir(config(), 0)[2].close()  # [2]: the run directory's lock
+    cfg = config()
+    train_fsdp.prepare_run_dir(cfg, 0)[2].close()  # [2]: the run directory's lock
+    train_fsdp.start_in(str(tmp_path), 0, cfg)  # the run starts: its config is saved
     assert json.loads((tmp_path / "config.json").read_text())["model"]["n_embd"] == 32
     with pytest.raises(train_fsdp.BadInput, match=r"model\.n_embd: 32 -> 48"):
         train_fsdp.prepare_run_dir(config("--n-embd", "48"), 0)
