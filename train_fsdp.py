@@ -361,15 +361,11 @@ def setup_distributed(cfg):
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    timeout = datetime.timedelta(minutes=30)
     owner = not dist.is_initialized()  # a caller (e.g. a test driver) may have set up the group already
-    if owner and world == 1:
-        # FSDP and DDP need a process group even for one process; an in-memory store needs no port.
-        dist.init_process_group(group_backends(cfg, backend), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    elif owner:
-        dist.init_process_group(group_backends(cfg, backend), rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+    if owner:  # FSDP and DDP need a group even for one process: then an in-memory store, which needs no port
+        dist.init_process_group(group_backends(cfg, backend), store=dist.HashStore() if world == 1 else None,
+                                rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if backend == "nccl" and world > 1 else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
     # Control messages (stop flags, errors) go through gloo on the CPU: reading them never waits for the GPU.
@@ -428,11 +424,9 @@ def error_line(e):
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """Activation checkpointing of every ac_every-th block, torch.compile, then the wrapper (under
-    --compile-scope blocks outside fsdp2, checkpointing recomputes the compiled forward). A model
-    built on the meta device (--meta-init) is materialised and initialised here (init_fn: the
-    model's init_module) in one order for every strategy (init_order), so the weights do not
-    depend on the strategy or the world size."""
+    """Activation checkpointing, torch.compile, then the wrapper. A --meta-init model is materialised
+    here by init_fn (its init_module) in init_order for every strategy, so its weights depend on
+    neither the strategy nor the world size."""
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
@@ -443,8 +437,9 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     if regional and strategy != "fsdp2":
         for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
             b.forward = torch.compile(b.forward, mode=mode)
-    if f.activation_checkpointing:
-        checkpoint_blocks(blocks[::f.ac_every])
+    if f.activation_checkpointing:  # non-reentrant: the reentrant one fires FSDP's post-backward hooks twice
+        for b in blocks[::f.ac_every]:  # the module tree and its names stay
+            b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
     if strategy == "fsdp2":
         model = fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, mode if regional else None)
     elif strategy == "fsdp":
@@ -530,13 +525,6 @@ def compile_mode(cfg, n_params):
     if cfg.train.compile_mode != "auto":
         return cfg.train.compile_mode
     return "reduce-overhead" if n_params < ONE_UNIT_BELOW else "default"
-
-
-def checkpoint_blocks(blocks):
-    """Activation checkpointing: each block's forward is recomputed in backward. Non-reentrant (the
-    reentrant variant fires FSDP's post-backward hooks twice); the module tree and names stay."""
-    for b in blocks:
-        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
 
 
 def fsdp_kwargs(cfg, units, topo):
@@ -676,17 +664,13 @@ def grad_scaler(cfg, device):
     scaler does, through DTensor."""
     if cfg.fsdp.param_dtype != "fp16":
         return None
-    if cfg.train.strategy == "fsdp":
-        return ShardedGradScaler(device.type)
-    return torch.amp.GradScaler(device.type)
+    return (ShardedGradScaler if cfg.train.strategy == "fsdp" else torch.amp.GradScaler)(device.type)
 
 
 def state_dict_options(purpose, device=None, meta=None):
-    """Options of the state dicts, for every strategy. "sharded save": FSDP1, when it shards,
-    builds each shard as a new copy on the GPU, so it goes to the host as it is made (else a model
-    that trains at the memory limit dies at its first save). "save": gathered in full, on the host
-    (on a CPU-only run every rank gathers: FSDP1's rank-0-only gather frees storage it then reads).
-    "init" (--init-from): keys the model lacks are left out."""
+    """State-dict options. "sharded save": FSDP1's shards are new GPU copies, so they go to the host as
+    made (a model at the memory limit would die at its first save). "save": in full, on the host, on
+    every rank (FSDP1's rank-0-only gather frees storage it then reads). "init": keys the model lacks."""
     if purpose == "sharded save":
         cfg = meta["config"]
         shards = cfg["train"]["strategy"] == "fsdp" and cfg["fsdp"]["sharding_strategy"] != "NO_SHARD"
@@ -883,7 +867,9 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
-        return export_command(argv)
+        if len(argv) != 2:
+            raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
+        return export_checkpoint(argv[1])
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(argv, build_model, compute_loss, load_dataset,
                                                                    model_config, data_config)
     topo = setup_distributed(cfg)
@@ -957,7 +943,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                                       last, stop)
             if stop and not last:
                 stopper.leave(stop, step + 1, t.out_dir)  # raises Preempted once every rank has saved
-        checkpointer.wait()  # a --no-save-final run's last background save
+        checkpointer.publish_finished(wait=True)  # a --no-save-final run's last background save
     finally:
         checkpointer.close()
         bar.close()
@@ -990,15 +976,12 @@ def run(argv=None, **seams):
         code, message = EXIT_PREEMPTED, str(e)
     # Before the process group exists the ranks have not agreed on the error: each says its own
     # (under torchrun the first rank to exit has the others killed, rank 0 perhaps before it spoke).
-    if message and (launch_rank() == 0 or not dist.is_initialized()):
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # the group may not exist yet
+    if message and (rank == 0 or not dist.is_initialized()):
         sys.stderr.write(message + "\n")  # one write: under torchrun the ranks' lines share a pipe
     if dist.is_initialized():
         dist.destroy_process_group()
     leave(code)
-
-
-def launch_rank():
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def leave(code):
@@ -1142,7 +1125,7 @@ class Checkpointer:
 
     def save(self, step, tokens_seen, model, optimizer, val_loss, last, stop):
         """Save step `step` (val_loss: its validation loss, or None); the last also writes model.pt."""
-        self.wait()  # one at a time, in order
+        self.publish_finished(wait=True)  # one at a time, in order
         meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler, self.topo.world,
                                val_loss=val_loss, digests=getattr(self.data, "digests", None))
         path, t0, error = checkpoint_path(self.cfg.train.out_dir, step), time.perf_counter(), None
@@ -1192,9 +1175,6 @@ class Checkpointer:
         waited = f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""
         self.log.line(f"saved {path} in the background, {time.perf_counter() - staged:.1f} s after it was staged"
                       f"{waited}")
-
-    def wait(self):
-        self.publish_finished(wait=True)
 
     def stop_if_failed(self, error, path, meta):
         """When any rank failed to write (`error`: this rank's), every rank raises, rank 0 having
@@ -1654,7 +1634,8 @@ def init_weights_from(path, model):
 
 
 def require_checkpoint_dir(path, flag, valid):
-    """BadInput unless `path` is a checkpoint directory (one with meta.json)."""
+    """(path, meta) of a checkpoint directory (latest and best followed); BadInput if `path` is none."""
+    path = follow_marker(path)
     if not os.path.exists(path):
         raise BadInput(f"{flag} {path}: no such directory; valid: {valid}")
     if os.path.isdir(os.path.join(path, "checkpoints")):
@@ -1664,20 +1645,13 @@ def require_checkpoint_dir(path, flag, valid):
                        f"of its checkpoints, e.g. {example}")
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
-
-
-def export_command(argv):
-    if len(argv) != 2:
-        raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-    export_checkpoint(argv[1])
+    return path, check_checkpoint(path)
 
 
 def export_checkpoint(path):
     """A sharded checkpoint (or checkpoints/best or latest) -> the single-file model.pt beside it,
     in one process. Only the model's tensors are read: the optimizer's two fp32 copies never are."""
-    path = follow_marker(path)
-    require_checkpoint_dir(path, "--export", "a checkpoint directory such as RUN/checkpoints/step_N")
-    meta = check_checkpoint(path)
+    path, meta = require_checkpoint_dir(path, "--export", "a checkpoint directory such as RUN/checkpoints/step_N")
     if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
         print(f"{path} already holds a consolidated model.pt")
         return os.path.join(path, "model.pt")
@@ -1781,9 +1755,7 @@ def choose_start(cfg, digests):
     holds_run = (os.path.exists(config_path) or bool(complete_checkpoints(root))
                  or os.path.exists(os.path.join(root, "latest")))
     if c.resume not in ("auto", "never"):
-        resume = follow_marker(c.resume.rstrip("/"))
-        require_checkpoint_dir(resume, "--resume", "auto, never or a checkpoint directory")
-        meta = check_checkpoint(resume)
+        resume, meta = require_checkpoint_dir(c.resume.rstrip("/"), "--resume", "auto, never or a checkpoint directory")
         old = meta["config"]
     elif holds_run and cfg.train.overwrite:
         shutil.rmtree(root, ignore_errors=True)
@@ -1910,10 +1882,9 @@ def keep_metric_lines(path, last_step):
 
 
 def debug_env(run_dir):
-    """--debug: torch's distributed debug level and NCCL's logging, set before the process group
-    exists (torch reads the variable at import), and the flight recorder: each rank keeps its last
-    2000 collectives, dumped to RUN_DIR/flight_recorder/rank_<r> when one times out (docs/slurm.md).
-    A value already in the environment (slurm_submit.sh's) wins."""
+    """--debug, before the process group exists: torch's distributed debug level, NCCL's logging, and the
+    flight recorder (each rank's last 2000 collectives, dumped to RUN_DIR/flight_recorder/rank_<r> when
+    one times out; docs/slurm.md). A value already in the environment (slurm_submit.sh's) wins."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     os.environ.setdefault("NCCL_DEBUG", "INFO")
     dist.set_debug_level_from_env()
@@ -1977,8 +1948,13 @@ class RunLog:
                 self.failed("stdout", e)
 
     def start_trackers(self, cfg, start_step):
-        if self.rank == 0:
-            self.trackers = open_trackers(cfg, start_step, self.line)
+        """Rank 0 opens the trackers asked for, once the step to continue from is known."""
+        for wanted, kind in ((cfg.train.tensorboard, TensorBoardRun), (cfg.train.wandb, WandbRun)):
+            try:
+                if wanted and self.rank == 0:
+                    self.trackers.append(kind(cfg, start_step))
+            except Exception as e:
+                self.line(f"{kind.name} could not start ({type(e).__name__}: {e}); training goes on without it")
 
     def metrics(self, record):
         if self.rank == 0:
@@ -2059,10 +2035,9 @@ class TensorBoardRun:
 
 
 class WandbRun:
-    """A W&B run in RUN_DIR/wandb (offline: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it).
-    W&B takes no step twice and writes in blocks: RUN_DIR/wandb_run.json holds the run's id and
-    the last step it surely holds (written when it closes), and a resume sends what it lacks from
-    metrics.jsonl before the new steps."""
+    """A W&B run in RUN_DIR/wandb. W&B takes no step twice and writes in blocks: wandb_run.json holds
+    the run's id and the last step it surely holds (written at close); a resume sends what it lacks
+    from metrics.jsonl first. Offline: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it."""
     name = "W&B"
     STATE = "wandb_run.json"
 
@@ -2106,17 +2081,6 @@ def saved_records(path, after, until):
                     by_step.setdefault(record["step"], {"step": record["step"]}).update(
                         {k: v for k, v in record.items() if isinstance(v, (int, float))})
     return [by_step[s] for s in sorted(by_step)]
-
-
-def open_trackers(cfg, start_step, say):
-    trackers = []
-    for wanted, kind in ((cfg.train.tensorboard, TensorBoardRun), (cfg.train.wandb, WandbRun)):
-        try:
-            if wanted:
-                trackers.append(kind(cfg, start_step))
-        except Exception as e:
-            say(f"{kind.name} could not start ({type(e).__name__}: {e}); training goes on without it")
-    return trackers
 
 
 class Meter:
