@@ -524,7 +524,14 @@ def compile_mode(cfg, n_params):
     launches more than kernels; default for a large one, where graphs gain nothing and hold memory."""
     if cfg.train.compile_mode != "auto":
         return cfg.train.compile_mode
-    return "reduce-overhead" if n_params < ONE_UNIT_BELOW else "default"
+    return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not recomputes_compiled_blocks(cfg) else "default"
+
+
+def recomputes_compiled_blocks(cfg):
+    """Checkpointing around blocks compiled in place (--compile-scope blocks outside fsdp2) reruns
+    their compiled forward in backward, which CUDA graphs cannot record: no reduce-overhead then."""
+    t = cfg.train
+    return t.compile and cfg.fsdp.activation_checkpointing and t.compile_scope == "blocks" and t.strategy != "fsdp2"
 
 
 def fsdp_kwargs(cfg, units, topo):
@@ -2447,6 +2454,10 @@ def check_config(cfg):
     if c.async_save and c.checkpoint_type != "sharded":
         raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one file that rank 0 "
                        "writes with torch.save)")
+    if t.compile_mode == "reduce-overhead" and recomputes_compiled_blocks(cfg):
+        raise BadInput("--compile-mode reduce-overhead with --activation-checkpointing and --compile-scope blocks: "
+                       "CUDA graphs cannot record a block's recompute; use --compile-mode default or --compile-scope "
+                       "model")
     if t.lr_schedule == "cosine" and t.lr_decay_steps and t.lr_decay_steps <= t.warmup_steps:
         raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the cosine decay must end after the warmup "
                        f"(--warmup-steps {t.warmup_steps}); give a larger step, or 0 for --max-steps")

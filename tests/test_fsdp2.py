@@ -246,3 +246,18 @@ def test_compile_mode_auto_takes_cuda_graphs_under_100m_parameters(strategy):
     assert train_fsdp.compile_mode(cfg, train_fsdp.ONE_UNIT_BELOW) == "default"
     cfg = train_fsdp.parse_config(["--strategy", strategy, "--compile-mode", "default"])
     assert train_fsdp.compile_mode(cfg, 10) == "default"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "none"])
+def test_checkpointed_blocks_compiled_in_place_take_no_cuda_graphs(strategy):
+    """Activation checkpointing around blocks compiled in place reruns their compiled forward in
+    backward, which CUDA graph trees cannot record (the run died in its first backward on GPUs):
+    --compile-mode auto takes the default mode there, and reduce-overhead asked for is refused."""
+    argv = ["--strategy", strategy, "--compile", "--activation-checkpointing", "--compile-scope", "blocks"]
+    assert train_fsdp.compile_mode(train_fsdp.parse_config(argv), 10) == "default"
+    assert train_fsdp.compile_mode(train_fsdp.parse_config(argv[:-2]), 10) == "reduce-overhead"  # whole model
+    fsdp2 = train_fsdp.parse_config(["--strategy", "fsdp2"] + argv[2:])  # compiles modules around the checkpoint
+    assert train_fsdp.compile_mode(fsdp2, 10) == "reduce-overhead"
+    with pytest.raises(train_fsdp.BadInput, match=r"--compile-mode reduce-overhead with --activation-checkpointing "
+                                                  r"and --compile-scope blocks: CUDA graphs cannot record"):
+        train_fsdp.check_config(train_fsdp.parse_config(argv + ["--compile-mode", "reduce-overhead"]))
