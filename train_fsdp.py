@@ -280,7 +280,6 @@ def compiled_lm_loss():
     return torch.compile(project_module("model").lm_loss)
 
 
-@typing.runtime_checkable
 class BatchSource(typing.Protocol):
     """What the trainer reads from the dataset load_dataset returns (data.Dataset is one). Rows
     are addressed, not iterated: a step's rows are the same at any world size and after a resume."""
