@@ -1704,7 +1704,7 @@ def name_run_dir(cfg, model):
 def prepare_run_dir(cfg, rank, digests=None):
     """Rank 0 locks the run directory and decides where the run starts (choose_start); every rank
     learns it. Returns (checkpoint to resume or None, notes to log, the lock on rank 0). A refused
-    launch leaves the directory as it was: nothing but the lock is written before start_in."""
+    launch leaves the directory as it was: only the lock (and the flight recorder's directory) before start_in."""
     run_dir, held = cfg.train.out_dir, [None]
 
     def decide():
@@ -1726,6 +1726,8 @@ def prepare_run_dir(cfg, rank, digests=None):
             held[0].truncate(0)
             held[0].write(f"host {socket.gethostname()} pid {os.getpid()}\n")
             held[0].flush()
+        if flight_recorder_dumps():  # its dumps need their directory, before the first collective of a resume
+            os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
         return resume, notes + more, cfg.train.lr_decay_steps
     resume, notes, cfg.train.lr_decay_steps = rank0_does(decide, rank)
     return resume, notes, held[0]
@@ -1858,8 +1860,6 @@ def start_in(run_dir, step, cfg):
     """Rank 0, once the run's start is loaded: clear what a stopped attempt left, keep the metrics up
     to the step the run starts from, and save the config."""
     root = os.path.join(run_dir, "checkpoints")
-    if flight_recorder_dumps():  # the flight recorder's dumps need their directory
-        os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, STOPPED_FILE))
     keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), step)
