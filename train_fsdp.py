@@ -433,7 +433,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     regional = cfg.train.compile and compiles_blocks(cfg, n_params)
     mode = compile_mode(cfg, n_params)
     order = init_order(model, units)  # before compile wrappers change the module tree
-    if regional and strategy != "fsdp2":
+    if compiles_in_place(cfg):
         for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
             b.forward = torch.compile(b.forward, mode=mode)
     if f.activation_checkpointing:  # non-reentrant: the reentrant one fires FSDP's post-backward hooks twice
@@ -526,11 +526,16 @@ def compile_mode(cfg, n_params):
     return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not recomputes_compiled_blocks(cfg) else "default"
 
 
-def recomputes_compiled_blocks(cfg):
-    """Checkpointing around blocks compiled in place (--compile-scope blocks outside fsdp2) reruns
-    their compiled forward in backward, which CUDA graphs cannot record: no reduce-overhead then."""
+def compiles_in_place(cfg):
+    """--compile-scope blocks outside fsdp2: each block's forward is compiled in place, before wrapping."""
     t = cfg.train
-    return t.compile and cfg.fsdp.activation_checkpointing and t.compile_scope == "blocks" and t.strategy != "fsdp2"
+    return t.compile and t.compile_scope == "blocks" and t.strategy != "fsdp2"
+
+
+def recomputes_compiled_blocks(cfg):
+    """Checkpointing around blocks compiled in place reruns their compiled forward in backward, which
+    CUDA graphs cannot record: no reduce-overhead then."""
+    return cfg.fsdp.activation_checkpointing and compiles_in_place(cfg)
 
 
 def fsdp_kwargs(cfg, units, topo):
@@ -1955,9 +1960,11 @@ class RunLog:
 
     def start_trackers(self, cfg, start_step):
         """Rank 0 opens the trackers asked for, once the step to continue from is known."""
+        if self.rank != 0:
+            return
         for wanted, kind in ((cfg.train.tensorboard, TensorBoardRun), (cfg.train.wandb, WandbRun)):
             try:
-                if wanted and self.rank == 0:
+                if wanted:
                     self.trackers.append(kind(cfg, start_step))
             except Exception as e:
                 self.line(f"{kind.name} could not start ({type(e).__name__}: {e}); training goes on without it")
