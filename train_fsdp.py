@@ -1881,15 +1881,20 @@ def keep_metric_lines(path, last_step):
     """Drop metric records after the step a run restarts from, so each step appears once."""
     if not os.path.exists(path):
         return
-    keep = []
-    with open(path) as fh:
+    keep = [line if line.endswith("\n") else line + "\n" for line, record in metric_records(path)
+            if record.get("step", 0) <= last_step]
+    write_text_atomic(path, "".join(keep))
+
+
+def metric_records(path):
+    """(line, record) for each line of metrics.jsonl, if there is one; a line torn by a crash mid-write is skipped."""
+    with contextlib.suppress(FileNotFoundError), open(path) as fh:
         for line in fh:
             try:
-                if json.loads(line).get("step", 0) <= last_step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-            except ValueError:  # a line torn by a crash mid-write
+                record = json.loads(line)
+            except ValueError:
                 continue
-    write_text_atomic(path, "".join(keep))
+            yield line, record
 
 
 def debug_env(run_dir):
@@ -2086,13 +2091,10 @@ class WandbRun:
 def saved_records(path, after, until):
     """The numbers of metrics.jsonl's records of steps in (after, until], one dict per step."""
     by_step = {}
-    with contextlib.suppress(FileNotFoundError), open(path) as fh:
-        for line in fh:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if after < record.get("step", 0) <= until:
-                    by_step.setdefault(record["step"], {"step": record["step"]}).update(
-                        {k: v for k, v in record.items() if isinstance(v, (int, float))})
+    for _, record in metric_records(path):
+        if after < record.get("step", 0) <= until:
+            by_step.setdefault(record["step"], {"step": record["step"]}).update(
+                {k: v for k, v in record.items() if isinstance(v, (int, float))})
     return [by_step[s] for s in sorted(by_step)]
 
 
