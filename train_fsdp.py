@@ -149,6 +149,8 @@ class TrainConfig:
                              ["model", "blocks"])
     compile_mode: str = opt("auto", "torch.compile mode: auto (reduce-overhead under 100M parameters, else default)",
                             ["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+    compile_cache: str = opt("", "where --compile keeps graphs and kernels for later launches; empty = "
+                             "$TORCHINDUCTOR_CACHE_DIR if set, else .compile_cache beside the run directory")
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
     debug: bool = opt(False, "distributed debug logging and the flight recorder (RUN_DIR/flight_recorder)")
     tensorboard: bool = opt(False, "also write metrics to RUN_DIR/tensorboard (pip install tensorboard)")
@@ -223,6 +225,7 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal,
 # Below this many parameters (--auto-wrap auto) the whole model is one FSDP unit and --compile-mode
 # auto takes CUDA graphs: a small model's step is host time more than kernels (docs/performance.md).
 ONE_UNIT_BELOW = 100_000_000
+USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before a run of this process sets it
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
 # state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
@@ -823,15 +826,18 @@ def evaluate(model, data, cfg, topo, micro, loss_fn):
     n = min(cfg.train.eval_samples, data.n_val)
     model.eval()
     sums = {}
-    for chunk in range(0, n, micro * topo.world):
-        start = chunk + topo.rank * micro
-        count = max(0, min(micro, n - start))
-        x, y = data.val_batch(start if count else 0, count or 1)
-        new_graph_step(cfg)
-        with precision_context(cfg, topo.device):
-            loss, parts = loss_fn(model, x.to(topo.device), y.to(topo.device), cfg)
-        for k, v in {"loss": loss, **parts}.items():
-            sums[k] = sums.get(k, 0.0) + v.float() * count
+    # Eager, even under --compile: eval() and no_grad fail the training graph's guards, and a second
+    # compile at the first evaluation would cost more than all the run's evaluation forwards.
+    with torch.compiler.set_stance("force_eager") if cfg.train.compile else contextlib.nullcontext():
+        for chunk in range(0, n, micro * topo.world):
+            start = chunk + topo.rank * micro
+            count = max(0, min(micro, n - start))
+            x, y = data.val_batch(start if count else 0, count or 1)
+            new_graph_step(cfg)
+            with precision_context(cfg, topo.device):
+                loss, parts = loss_fn(model, x.to(topo.device), y.to(topo.device), cfg)
+            for k, v in {"loss": loss, **parts}.items():
+                sums[k] = sums.get(k, 0.0) + v.float() * count
     model.train()
     return all_reduce_scalars({k: v / n for k, v in sums.items()}, topo.device)
 
@@ -876,7 +882,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
          data_config=None):
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
     if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
         if len(argv) != 2:
             raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
@@ -886,6 +892,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     topo = setup_distributed(cfg)
     check_world(cfg, topo)
     data = load_dataset(cfg, topo.rank)
+    clock.lap("setup and data")
     resolve_config(cfg, topo, data)
     topo = dataclasses.replace(topo, mesh=device_mesh(cfg, topo))  # the mesh follows the resolved strategy
     plan = plan_run(cfg, topo, data)
@@ -895,17 +902,20 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     with torch.device("meta") if cfg.fsdp.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
     name_run_dir(cfg, model)
+    keep_compile_cache(cfg)
     if c.init_from:  # a bad path or shape fails before anything is written
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         rank0_does(lambda: check_init_from(c.init_from, shapes), topo.rank)
     about = describe_model(model, plan)  # before wrapping: the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
+    clock.lap("model and wrapping")
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about["decay_names"])
     scaler = grad_scaler(cfg, topo.device)
     start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, notes)
     rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refused checkpoint changed nothing
+    clock.lap("run directory and checkpoint")
     log = RunLog(t.out_dir, topo.rank)
     for note in notes:
         log.line(note)
@@ -929,6 +939,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
             elif not t.skip_nonfinite:  # under fp16 the scaler owns non-finite gradients, not a non-finite loss
                 nonfinite.note(step + 1, losses["loss"], None if scaler else grad_norm)
+            if step == start_step:  # --compile compiles the training step in its first call
+                log.line(clock.lap("first step", sync=losses["loss"]) + compile_cache_note(cfg))
             tokens_seen += plan.tokens_per_step
             meter.add_step(data_time)
             bar.update(1)
@@ -944,9 +956,9 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             # --keep-best ranks checkpoints by their step's validation loss (a stop's is not evaluated: time is short)
             evaluated = (t.eval_every and (step + 1) % t.eval_every == 0) or last or (c.keep_best and save and not stop)
             if evaluated:
-                with meter.paused():
+                with meter.paused() as seconds:
                     val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
-                log.validation(step + 1, val, tokens_seen)
+                log.validation(step + 1, val, tokens_seen, seconds)
             if save:
                 nonfinite.check()  # never save a state that has seen a non-finite loss
                 with meter.paused():
@@ -2004,9 +2016,10 @@ class RunLog:
                   (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
                   f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
 
-    def validation(self, step, val, tokens_seen):
+    def validation(self, step, val, tokens_seen, seconds):
         self.metrics({"step": step, "tokens_seen": tokens_seen, **{f"val_{k}": v for k, v in val.items()}})
-        self.line(f"step {step:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
+        self.line(f"step {step:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) +
+                  f" | {seconds[0]:.2f} s")
 
     def close_trackers(self):
         for tracker in list(self.trackers):
@@ -2115,11 +2128,13 @@ class Meter:
 
     @contextlib.contextmanager
     def paused(self):
-        t0 = time.perf_counter()
+        """Time kept out of the throughput; the list it yields holds it once the block has run."""
+        t0, seconds = time.perf_counter(), []
         try:
-            yield
+            yield seconds
         finally:
-            self.start += time.perf_counter() - t0
+            seconds.append(time.perf_counter() - t0)
+            self.start += seconds[0]
 
     def record(self, step, totals, lr, grad_norm, tokens_seen):
         """The log record of `step`: the losses averaged over ranks, throughput, memory (the most of
@@ -2138,6 +2153,40 @@ class Meter:
             rec["mfu"] = self.flops_per_token * rec["tokens_per_s"] / world / self.peak
         self.reset()
         return rec
+
+
+class StartClock:
+    """Where the start-up goes: seconds per phase, said with the first step (mostly compile under --compile)."""
+
+    def __init__(self):
+        self.t, self.phases = time.perf_counter(), []
+
+    def lap(self, phase, sync=None):
+        """Ends `phase`; returns the line of every phase so far. sync: a device tensor to wait for."""
+        if sync is not None:
+            sync.item()
+        now = time.perf_counter()
+        self.phases.append(f"{phase} {now - self.t:.1f} s")
+        self.t = now
+        return "start-up: " + " | ".join(self.phases)
+
+
+def keep_compile_cache(cfg):
+    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run there,
+    a resume and a requeue to another node find them. Their keys hold the torch version, the device and
+    the graph: another version's, card's or model's entries are never used, only missed (compiled anew)."""
+    if cfg.train.compile:
+        beside = os.path.join(os.path.dirname(os.path.abspath(cfg.train.out_dir)), ".compile_cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
+
+
+def compile_cache_note(cfg):
+    """How many compiled graphs came from the cache (rank 0's count)."""
+    if not cfg.train.compile:
+        return ""
+    n = torch._dynamo.utils.counters["inductor"]
+    return (f" | compile cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}: {n['fxgraph_cache_hit']} graphs reused, "
+            f"{n['fxgraph_cache_miss']} compiled")
 
 
 def memory_stats(device):

@@ -14,6 +14,14 @@
 #   1b-scopes     start-up and step of the 1b model at micro-batch 12, the whole model compiled
 #                 against --compile-scope blocks (each block compiled once, reused by every layer).
 #   1b-profile    one profiled 1b step at micro-batch 12, read by tools/trace_top.py.
+#   first-result  launch to validation <= 1.50 / 1.47 on nanoGPT's Shakespeare recipe (5,000 steps,
+#                 evaluated every 250 on 512 rows; tools/first_result.py): `none` and `fsdp` with
+#                 fresh compile caches (cold), then a second launch into a new run directory beside
+#                 the first (warm, 1,000 steps of the same schedule); nanoGPT cold and warm (1,500 iters
+#                 of its schedule) when NANOGPT names its checkout; then `none` with --compile-scope
+#                 blocks and without --compile, cold.
+#   1b-restart    the 1b model's launch to its first step, fresh (cold compile cache) against a resume
+#                 of it under another TMPDIR, as a requeue to another node (the start-up line's phases).
 # Step: the median of the logged per-step times after the first steps; start-up: launch to the
 # end of the first step (tools/startup_bench.py). Python's bytecode is cached first (a lent image
 # without .pyc files that sets PYTHONDONTWRITEBYTECODE compiles PyTorch's sources every launch).
@@ -32,6 +40,7 @@ ONE="--size 1b --arch baseline --meta-init --no-tie-embeddings --dataset random 
  --no-save-final --warmup-steps 2 --lr 3e-4 --compile --overwrite"
 B="--compile-scope blocks"
 NG="python train.py config/train_shakespeare_char.py --max_iters=300 --eval_iters=1 --log_interval=10"
+NGF="python train.py config/train_shakespeare_char.py --compile=True --max_iters=1500"
 gemm() { python -c "import bench; print(f'GEMM {bench.gemm_tflops():.0f} TFLOP/s')"; }
 # Fill the bytecode cache and the data cache once, so that "cold" means fresh compile caches only.
 $T $SMALL --strategy none --max-steps 12 --cache-dir $W/data --out-dir $W/prime > $W/prime.log 2>&1
@@ -69,9 +78,25 @@ for name in "$@"; do
   1b-scopes)
     $SB --skip 8 $R/$name.json "whole model=$T $ONE --max-steps 24 --out-dir $W/a" \
       "blocks=$T $ONE $B --max-steps 24 --out-dir $W/a" ;;
+  first-result)
+    FR="$SMALL --max-steps 5000 --eval-every 250 --eval-samples 512 --log-every 50 --cache-dir $W/data"
+    K="--max-steps 1000 --lr-decay-steps 5000"
+    ng=()
+    [ -n "${NANOGPT:-}" ] && ng=("nanoGPT cold=cd $NANOGPT && TORCHINDUCTOR_CACHE_DIR=$W/ng-ind $NGF --out_dir=$W/ng")
+    python tools/first_result.py $R/$name.json "${ng[@]}" \
+      "none cold=$T $FR --strategy none --out-dir $W/n/a" "none warm=$T $FR $K --strategy none --out-dir $W/n/b" \
+      "fsdp cold=$T $FR --out-dir $W/f/a" "fsdp warm=$T $FR $K --out-dir $W/f/b" \
+      ${ng:+"nanoGPT warm=cd $NANOGPT && TORCHINDUCTOR_CACHE_DIR=$W/ng-ind $NGF --out_dir=$W/ng"} \
+      "none blocks cold=$T $FR $K --strategy none $B --out-dir $W/nb/a" \
+      "none eager=$T ${FR/--compile/} $K --strategy none --out-dir $W/ne/a" ;;
+  1b-restart)
+    $T $ONE $B --max-steps 2 --save-final --out-dir $W/r/a > $W/r1.log 2>&1; grep -a "start-up\|error" $W/r1.log
+    mkdir -p $W/tmp2; TMPDIR=$W/tmp2 $T $ONE $B --max-steps 4 --save-final --out-dir $W/r/a > $W/r2.log 2>&1
+    grep -a "start-up\|error\|resum" $W/r2.log ;;
   1b-profile)
     $T $ONE $B --max-steps 6 --profile --out-dir $W/prof > $W/prof.log 2>&1 || tail -n 5 $W/prof.log
     python tools/trace_top.py $W/prof 20 ;;
-  *) echo "unknown benchmark: $name (small-1gpu, small-gpus, 1b, 1b-scopes, 1b-profile)"; exit 2 ;;
+  *) echo "unknown benchmark: $name (small-1gpu, small-gpus, 1b, 1b-scopes, 1b-profile, first-result, 1b-restart)"
+     exit 2 ;;
   esac 2>&1 | tee $R/$name.log
 done
