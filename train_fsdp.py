@@ -531,8 +531,7 @@ def compile_mode(cfg, n_params):
 
 def compiles_in_place(cfg):
     """--compile-scope blocks outside fsdp2: each block's forward is compiled in place, before wrapping."""
-    t = cfg.train
-    return t.compile and t.compile_scope == "blocks" and t.strategy != "fsdp2"
+    return cfg.train.compile and cfg.train.compile_scope == "blocks" and cfg.train.strategy != "fsdp2"
 
 
 def recomputes_compiled_blocks(cfg):
@@ -575,20 +574,18 @@ def fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, block_mod
     kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
-
     # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2 casts
     # every unit's, the fp32 rotary tables the blocks receive included.
-    def precision(cast_inputs):
-        return MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
-                                    cast_forward_inputs=cast_inputs)
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
+                              cast_forward_inputs=False)
     reshard = fsdp2_reshards(f)
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
         # The last block runs first in backward: resharding it would free parameters only to gather
         # them again at once. The root likewise (FSDP2's own default for the root).
-        fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=precision(False), **kw)
-    fully_shard(model, reshard_after_forward=False, mp_policy=precision(True), **kw)
+        fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=mp, **kw)
+    fully_shard(model, reshard_after_forward=False, mp_policy=dataclasses.replace(mp, cast_forward_inputs=True), **kw)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu" if f.cpu_offload else topo.device)
         init_weights(model, order, init_fn)
@@ -631,9 +628,8 @@ def local_parameter_count(model):
 
 
 def precision_context(cfg, device):
-    """FSDP1 and FSDP2 cast through their mixed-precision policies: the model computes in
-    param_dtype. DDP and one device use autocast instead (the weights and residual stream stay
-    fp32); --autocast adds it under FSDP too."""
+    """FSDP1 and FSDP2 cast through their mixed-precision policies: the model computes in param_dtype. DDP
+    and one device use autocast instead (the weights and residual stream stay fp32); --autocast adds it under FSDP."""
     if not autocasts(cfg):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[cfg.fsdp.param_dtype])
@@ -643,29 +639,26 @@ def autocasts(cfg):
     return cfg.fsdp.param_dtype != "fp32" and (cfg.train.strategy not in ("fsdp", "fsdp2") or cfg.fsdp.autocast)
 
 
+@contextlib.contextmanager
 def gradient_sync(model, cfg, last):
     """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
     reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync."""
     if last or cfg.train.grad_accum_mode == "sync" or cfg.train.strategy == "none":
-        return contextlib.nullcontext()
-    if cfg.train.strategy == "fsdp2":
-        return fsdp2_no_sync(model)
-    return model.no_sync()
-
-
-@contextlib.contextmanager
-def fsdp2_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
         yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    elif cfg.train.strategy == "fsdp2":  # FSDP2 has no no_sync
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
 
 
 def clip_gradients(model, cfg):
-    """Global gradient norm, clipped when --grad-clip > 0. FSDP1 needs its own clip_grad_norm_
-    (torch.nn.utils' sees only this rank's shard); under FSDP2 the norm is a DTensor whose full
-    value is the global norm."""
+    """Global gradient norm, clipped when --grad-clip > 0. FSDP1 needs its own clip_grad_norm_ (torch.nn.utils'
+    sees only this rank's shard); under FSDP2 the norm is a DTensor whose full value is the global norm."""
     limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     if cfg.train.strategy == "fsdp":
         return model.clip_grad_norm_(limit)
@@ -674,8 +667,7 @@ def clip_gradients(model, cfg):
 
 
 def grad_scaler(cfg, device):
-    """fp16 needs loss scaling. FSDP1's scaler sees overflow in any shard; under FSDP2 the amp
-    scaler does, through DTensor."""
+    """fp16 needs loss scaling. FSDP1's scaler sees overflow in any shard; under FSDP2 the amp one does (DTensor)."""
     if cfg.fsdp.param_dtype != "fp16":
         return None
     return (ShardedGradScaler if cfg.train.strategy == "fsdp" else torch.amp.GradScaler)(device.type)
@@ -761,12 +753,6 @@ def lr_at(step, peak, cfg, max_steps):
         return peak * (1 - (1 - floor) * min(1.0, max(0.0, (step + 1 - max_steps + decay) / decay)))
     progress = (step - t.warmup_steps) / max(1, (t.lr_decay_steps or max_steps) - 1 - t.warmup_steps)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def set_lr(optimizer, lr):
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
 
 
 # =============================================================================================
@@ -924,15 +910,26 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
 
     checkpointer = Checkpointer(cfg, topo, log, data, scaler)
     stopper, nonfinite, meter = Stopper(topo, log), NonFinite(topo.device), Meter(topo, plan, about["flops"])
-    bar = progress_bar(plan, start_step, topo.rank)
-    profiler = start_profiler(cfg, topo.rank)
+    # The bar is for a terminal: in a Slurm or redirected log its redraws would fill the file with one line.
+    bar = tqdm(total=plan.max_steps, initial=start_step, disable=topo.rank != 0 or not sys.stderr.isatty(),
+               dynamic_ncols=True, desc="train")
+    profiler = None
+    if t.profile:  # a Chrome trace of steps 2-4 per rank in the run directory
+        trace = os.path.join(t.out_dir, f"trace_rank{topo.rank}.json")
+        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                                          on_trace_ready=lambda p: p.export_chrome_trace(trace))
+        profiler.start()
     val = {}  # the last validation
-    if start_step >= plan.max_steps:
-        val = finished_already(model, data, cfg, topo, plan, start_step, compute_loss, log)
+    if start_step >= plan.max_steps:  # a resume of a finished run: evaluated (every rank), nothing trained
+        log.line(f"{t.out_dir} already finished at step {start_step} (max_steps {plan.max_steps}): nothing to "
+                 "train; pass a larger --max-steps to continue it")
+        val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
     model.train()
     try:
         for step in range(start_step, plan.max_steps):
-            lr = set_lr(optimizer, lr_at(step, plan.peak_lr, cfg, plan.max_steps))
+            lr = lr_at(step, plan.peak_lr, cfg, plan.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             batches, data_time = micro_batches(data, step, cfg, plan, topo)
             losses, grad_norm, skipped = train_step(model, optimizer, scaler, batches, cfg, compute_loss)
             if skipped:
@@ -952,7 +949,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 nonfinite.check()
                 log.step(meter.record(step + 1, losses, lr, grad_norm, tokens_seen), sorted(losses))
             checkpointer.publish_finished()  # a background save that every rank has written
-            save = checkpointer.due(step + 1, last) or stop
+            save = (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final) or stop
             # --keep-best ranks checkpoints by their step's validation loss (a stop's is not evaluated: time is short)
             evaluated = (t.eval_every and (step + 1) % t.eval_every == 0) or last or (c.keep_best and save and not stop)
             if evaluated:
@@ -976,7 +973,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
         stopper.close()
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
-    check_log_written(log, topo)  # also the barrier: every rank has ended
+    stopper.poll()  # the last collective, a barrier: every rank fails when rank 0 could not write its log
     if lock:
         lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
     if topo.owner:
@@ -991,10 +988,8 @@ def run(argv=None, **seams):
     code, message = 0, None
     try:
         main(argv, **seams)
-    except BadInput as e:
-        code, message = EXIT_BAD_INPUT, f"error: {e}"
-    except RunFailed as e:
-        code, message = EXIT_FAILED, f"error: {e}"
+    except (BadInput, RunFailed) as e:
+        code, message = EXIT_BAD_INPUT if isinstance(e, BadInput) else EXIT_FAILED, f"error: {e}"
     except Preempted as e:
         code, message = EXIT_PREEMPTED, str(e)
     # Before the process group exists the ranks have not agreed on the error: each says its own
@@ -1014,7 +1009,6 @@ def leave(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
 
 
 # =============================================================================================
@@ -1143,15 +1137,13 @@ class Checkpointer:
             self.group = dist.new_group(backend="gloo")
             self.writer = dcp.FileSystemWriter(".", cache_staged_state_dict=topo.device.type == "cuda")
 
-    def due(self, step, last):
-        return bool(self.c.save_every and step % self.c.save_every == 0) or (last and self.c.save_final)
-
     def save(self, step, tokens_seen, model, optimizer, val_loss, last, stop):
         """Save step `step` (val_loss: its validation loss, or None); the last also writes model.pt."""
         self.publish_finished(wait=True)  # one at a time, in order
         meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler, self.topo.world,
                                val_loss=val_loss, digests=getattr(self.data, "digests", None))
-        path, t0, error = checkpoint_path(self.cfg.train.out_dir, step), time.perf_counter(), None
+        path = os.path.join(self.cfg.train.out_dir, "checkpoints", f"step_{step:07d}")
+        t0, error = time.perf_counter(), None
         background = self.c.async_save and not (last or stop)
         rank0_does(lambda: fresh_dir(staging_path(path)), self.topo.rank, save_failed(meta))  # before any rank writes
         try:
@@ -1195,9 +1187,8 @@ class Checkpointer:
             return
         self.publish(path, meta)
         self.pending = None
-        waited = f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""
-        self.log.line(f"saved {path} in the background, {time.perf_counter() - staged:.1f} s after it was staged"
-                      f"{waited}")
+        self.log.line(f"saved {path} in the background, {time.perf_counter() - staged:.1f} s after it was staged" +
+                      (f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""))
 
     def stop_if_failed(self, error, path, meta):
         """When any rank failed to write (`error`: this rank's), every rank raises, rank 0 having
@@ -1238,10 +1229,6 @@ def write_checkpoint(tmp, meta, model, optimizer, c, topo, consolidate=False):
         if topo.rank == 0:
             torch.save(full, os.path.join(tmp, "model.pt"))
             fsync_path(os.path.join(tmp, "model.pt"))
-
-
-def checkpoint_path(run_dir, step):
-    return os.path.join(run_dir, "checkpoints", f"step_{step:07d}")
 
 
 def staging_path(path):
@@ -1378,8 +1365,7 @@ def mark_best(root, keep_best):
 
 
 def follow_marker(path):
-    """RUN/checkpoints/latest or best (a file holding a checkpoint's name) -> that checkpoint's
-    directory; any other path unchanged."""
+    """checkpoints/latest or best (a file naming a checkpoint) -> that checkpoint's directory; any other path as is."""
     if os.path.basename(path.rstrip("/")) in ("latest", "best") and os.path.isfile(path):
         with open(path) as fh:
             return os.path.join(os.path.dirname(path), fh.read().strip())
@@ -1409,10 +1395,9 @@ def check_checkpoint(path):
             if actual != size:
                 raise RunFailed(f"{rel} has {actual} bytes, {size} expected (truncated?)")
         return meta
-    except RunFailed as e:
-        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {e}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {type(e).__name__}: {e}")
+    except (RunFailed, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        what = e if isinstance(e, RunFailed) else f"{type(e).__name__}: {e}"
+        raise RunFailed(f"checkpoint {path} is incomplete or corrupted: {what}")
 
 
 def find_resume_checkpoint(run_dir, notes, skip=()):
@@ -1424,11 +1409,9 @@ def find_resume_checkpoint(run_dir, notes, skip=()):
         with open(os.path.join(root, "latest")) as fh:
             latest = fh.read().strip()
         names = [latest] + [n for n in names if n != latest]
-    for name in names:
-        if os.path.join(root, name) in skip:
-            continue
+    for path in [os.path.join(root, name) for name in names if os.path.join(root, name) not in skip]:
         try:
-            return os.path.join(root, name), check_checkpoint(os.path.join(root, name))
+            return path, check_checkpoint(path)
         except RunFailed as e:
             notes.append(f"{e}; trying an older checkpoint")
     return None, None
@@ -1958,10 +1941,6 @@ class RunLog:
             except OSError as e:
                 self.failed(fh.name, e)
 
-    def failure(self):
-        """The RunFailed every rank raises once rank 0's log failed (the others hold no error text)."""
-        return RunFailed(self.error or "rank 0 could not write the run's log")
-
     def failed(self, what, e):
         self.error = self.error or f"writing {what} failed on rank 0 ({type(e).__name__}: {e}); the latest " \
                                    "checkpoint is intact"
@@ -2033,14 +2012,6 @@ class RunLog:
                     fh.close()
 
 
-def check_log_written(log, topo):
-    """The last collective of a run: every rank fails when rank 0 could not write its log."""
-    failed = torch.tensor([int(log.error is not None)])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=topo.control)
-    if failed.item():
-        raise log.failure()
-
-
 # Trackers: rank 0 only, opened once the step to continue from is known, each with a name,
 # log(step, scalars) and close(). A resume continues the same tracker run.
 
@@ -2085,8 +2056,13 @@ class WandbRun:
                               allow_val_change=True, settings=wandb.Settings(console="off"))
         self.last = self.held = saved.get("step", 0)
         self.save()
-        for record in saved_records(os.path.join(run_dir, "metrics.jsonl"), self.held, start_step):
-            self.log(record.pop("step"), record)
+        by_step = {}  # the numbers of metrics.jsonl's records of the steps W&B lacks, one dict per step
+        for _, record in metric_records(os.path.join(run_dir, "metrics.jsonl")):
+            if self.held < record.get("step", 0) <= start_step:
+                by_step.setdefault(record["step"], {}).update(
+                    {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))})
+        for step in sorted(by_step):
+            self.log(step, by_step[step])
 
     def log(self, step, scalars):
         if step > self.held:
@@ -2099,16 +2075,6 @@ class WandbRun:
     def close(self):
         self.run.finish()
         self.save()
-
-
-def saved_records(path, after, until):
-    """The numbers of metrics.jsonl's records of steps in (after, until], one dict per step."""
-    by_step = {}
-    for _, record in metric_records(path):
-        if after < record.get("step", 0) <= until:
-            by_step.setdefault(record["step"], {"step": record["step"]}).update(
-                {k: v for k, v in record.items() if isinstance(v, (int, float))})
-    return [by_step[s] for s in sorted(by_step)]
 
 
 class Meter:
@@ -2217,8 +2183,7 @@ def describe_model(model, plan):
 
 
 def log_summary(log, cfg, topo, plan, model, about, n_val):
-    """Rank 0's start-up lines: the config, where it runs, the strategy, parameters, batch layout,
-    evaluation and saves."""
+    """Rank 0's start-up lines: the config, where it runs, the strategy, parameters, batches, evaluation, saves."""
     t, c, device = cfg.train, cfg.checkpoint, topo.device
     per_rank = [None] * topo.world
     dist.all_gather_object(per_rank, local_parameter_count(model))
@@ -2261,9 +2226,8 @@ def describe_strategy(cfg, one=False):
     """(headline, notes) of the start-up summary: the strategy and its dtypes, and settings that have
     no effect under it. one: the model is one FSDP unit, the root."""
     t, f = cfg.train, cfg.fsdp
-    changed = {k: v for k, v in dataclasses.asdict(f).items() if v != dataclasses.asdict(FSDPConfig())[k]}
-    ignored = {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
-    ignored = [f"{flag_name(k)} {v}" for k, v in changed.items() if k in ignored]
+    default, off = FSDPConfig(), {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
+    ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items() if k in off and v != getattr(default, k)]
     notes = []
     if ignored:
         kind = "FSDP1" if t.strategy == "fsdp2" else "FSDP"
@@ -2294,30 +2258,6 @@ def loss_precision(cfg):
     return f"loss: compute_loss runs under autocast {dtype}: cross_entropy, softmax and norms in fp32"
 
 
-def progress_bar(plan, start_step, rank):
-    """For a terminal: in a Slurm or redirected log its redraws would fill the file with one line."""
-    return tqdm(total=plan.max_steps, initial=start_step, disable=rank != 0 or not sys.stderr.isatty(),
-                dynamic_ncols=True, desc="train")
-
-
-def start_profiler(cfg, rank):
-    """--profile: a Chrome trace of steps 2-4 per rank in the run directory; else None."""
-    if not cfg.train.profile:
-        return None
-    profiler = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(cfg.train.out_dir, f"trace_rank{rank}.json")))
-    profiler.start()
-    return profiler
-
-
-def finished_already(model, data, cfg, topo, plan, start_step, loss_fn, log):
-    """A resume of a run that has reached --max-steps: evaluated (every rank), nothing trained."""
-    log.line(f"{cfg.train.out_dir} already finished at step {start_step} (max_steps {plan.max_steps}): nothing to "
-             "train; pass a larger --max-steps to continue it")
-    return evaluate(model, data, cfg, topo, plan.micro, loss_fn)
-
-
 # =============================================================================================
 # Reference: stopping. Slurm sends SIGTERM or SIGUSR1 before preemption or the time limit.
 
@@ -2345,7 +2285,7 @@ class Stopper:
         flags = torch.tensor([self.reason, int(self.log.error is not None)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.control)
         if flags[1].item():
-            raise self.log.failure()
+            raise RunFailed(self.log.error or "rank 0 could not write the run's log")  # only rank 0 holds the text
         return flags[0].item()
 
     def leave(self, reason, step, run_dir):
