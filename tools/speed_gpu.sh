@@ -20,6 +20,8 @@
 #                 the first (warm, 1,000 steps of the same schedule); nanoGPT cold and warm (1,500 iters
 #                 of its schedule) when NANOGPT names its checkout; then `none` with --compile-scope
 #                 blocks and without --compile, cold.
+#   first-result-more  the same, 1,000 steps, cold: `none` and `fsdp` with --seed 2, `none` with
+#                 --compile-mode default, `fsdp` with --compile-scope blocks.
 #   1b-restart    the 1b model's launch to its first step, fresh (cold compile cache) against a resume
 #                 of it under another TMPDIR, as a requeue to another node (the start-up line's phases).
 # Step: the median of the logged per-step times after the first steps; start-up: launch to the
@@ -89,6 +91,13 @@ for name in "$@"; do
       ${ng:+"nanoGPT warm=cd $NANOGPT && TORCHINDUCTOR_CACHE_DIR=$W/ng-ind $NGF --out_dir=$W/ng"} \
       "none blocks cold=$T $FR $K --strategy none $B --out-dir $W/nb/a" \
       "none eager=$T ${FR/--compile/} $K --strategy none --out-dir $W/ne/a" ;;
+  first-result-more)
+    FR="$SMALL --max-steps 1000 --lr-decay-steps 5000 --eval-every 250 --eval-samples 512 --log-every 50 \
+      --cache-dir $W/data"
+    python tools/first_result.py $R/$name.json "none cold seed 2=$T $FR --seed 2 --strategy none --out-dir $W/a/r" \
+      "fsdp cold seed 2=$T $FR --seed 2 --out-dir $W/b/r" \
+      "none cold mode default=$T $FR --strategy none --compile-mode default --out-dir $W/c/r" \
+      "fsdp blocks cold=$T $FR $B --out-dir $W/d/r" ;;
   1b-restart)
     $T $ONE $B --max-steps 2 --save-final --out-dir $W/r/a > $W/r1.log 2>&1; grep -a "start-up\|error" $W/r1.log
     mkdir -p $W/tmp2; TMPDIR=$W/tmp2 $T $ONE $B --max-steps 4 --save-final --out-dir $W/r/a > $W/r2.log 2>&1
@@ -96,7 +105,8 @@ for name in "$@"; do
   1b-profile)
     $T $ONE $B --max-steps 6 --profile --out-dir $W/prof > $W/prof.log 2>&1 || tail -n 5 $W/prof.log
     python tools/trace_top.py $W/prof 20 ;;
-  *) echo "unknown benchmark: $name (small-1gpu, small-gpus, 1b, 1b-scopes, 1b-profile, first-result, 1b-restart)"
+  *) echo "unknown benchmark: $name (small-1gpu, small-gpus, 1b, 1b-scopes, 1b-profile, first-result, first-result-more,"
+     echo "  1b-restart)"
      exit 2 ;;
   esac 2>&1 | tee $R/$name.log
 done
