@@ -222,8 +222,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal, checkpoint saved
-# Below this many parameters (--auto-wrap auto) the whole model is one FSDP unit and --compile-mode
-# auto takes CUDA graphs: a small model's step is host time more than kernels (docs/performance.md).
+# Below this many parameters a step is more host time than kernels (one_unit, compile_mode, docs/performance.md).
 ONE_UNIT_BELOW = 100_000_000
 USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before a run of this process sets it
 
@@ -379,9 +378,8 @@ def setup_distributed(cfg):
 def group_backends(cfg, backend):
     """FSDP2 with --cpu-offload keeps the gradients on the host, and clipping all-reduces their
     norm there: on GPUs the group then needs gloo for CPU tensors too (as torchtitan does)."""
-    if backend == "nccl" and cfg.train.strategy == "fsdp2" and cfg.fsdp.cpu_offload:
-        return "cuda:nccl,cpu:gloo"
-    return backend
+    host_grads = cfg.train.strategy == "fsdp2" and cfg.fsdp.cpu_offload
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_grads else backend
 
 
 def hybrid_shard_size(cfg, topo):
@@ -426,9 +424,8 @@ def error_line(e):
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """Activation checkpointing, torch.compile, then the wrapper. A --meta-init model is materialised
-    here by init_fn (its init_module) in init_order for every strategy, so its weights depend on
-    neither the strategy nor the world size."""
+    """Activation checkpointing, torch.compile, then the wrapper. A --meta-init model is materialised here by init_fn
+    (its init_module) in init_order under any strategy: its weights depend on neither strategy nor world size."""
     f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
@@ -463,9 +460,8 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
 
 
 def device_mesh(cfg, topo):
-    """FSDP1 and FSDP2 shard over an explicit mesh: 1-D over all processes, or for HYBRID_SHARD*
-    2-D, sharded inside a group (a node) and replicated across groups. Given a mesh, FSDP1's
-    state dicts hold DTensors like FSDP2's. None for ddp and none."""
+    """FSDP1 and FSDP2 shard over an explicit mesh (ddp, none: None): 1-D over all processes, or 2-D for HYBRID_SHARD*:
+    sharded in a group (a node), replicated across them. With a mesh FSDP1's state dicts hold DTensors like FSDP2's."""
     if cfg.train.strategy not in ("fsdp", "fsdp2"):
         return None
     if "HYBRID" in cfg.fsdp.sharding_strategy:
@@ -475,9 +471,8 @@ def device_mesh(cfg, topo):
 
 
 def shard_units(model, wrap_classes, cfg):
-    """The modules that become FSDP units, children before parents, for FSDP1 and FSDP2 alike:
-    the block classes (--auto-wrap module, lambda), or bottom-up by --min-num-params (size). A
-    module sharing a parameter with one outside it (a tied embedding and head) stays in the root."""
+    """FSDP units, children first, for FSDP1 and FSDP2: the block classes (--auto-wrap module, lambda) or bottom-up by
+    --min-num-params (size). A module sharing a parameter outside itself (tied embedding and head) stays in the root."""
     f = cfg.fsdp
     if one_unit(f, parameter_count(model)):
         return []  # the root's unit holds everything
@@ -510,8 +505,7 @@ def parameter_count(model):
 
 
 def one_unit(f, n_params):
-    """--auto-wrap auto on a small model: no unit but the root. Per-block units save only one
-    block's transient gather and cost host time per unit per step."""
+    """--auto-wrap auto on a small model: one unit, the root (per-block units save a block's gather, cost host time)."""
     return f.auto_wrap == "auto" and n_params < ONE_UNIT_BELOW
 
 
@@ -535,8 +529,7 @@ def compiles_in_place(cfg):
 
 
 def recomputes_compiled_blocks(cfg):
-    """Checkpointing around blocks compiled in place reruns their compiled forward in backward, which
-    CUDA graphs cannot record: no reduce-overhead then."""
+    """Checkpointed blocks compiled in place rerun their compiled forward in backward: CUDA graphs cannot record it."""
     return cfg.fsdp.activation_checkpointing and compiles_in_place(cfg)
 
 
@@ -549,11 +542,8 @@ def fsdp_kwargs(cfg, units, topo):
         mixed_precision=MixedPrecision(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
                                        buffer_dtype=DTYPES[f.buffer_dtype]),
         backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
-        forward_prefetch=f.forward_prefetch,
-        limit_all_gathers=f.limit_all_gathers,
-        use_orig_params=f.use_orig_params,
-        cpu_offload=CPUOffload(offload_params=f.cpu_offload),
-        sync_module_states=f.sync_module_states,
+        forward_prefetch=f.forward_prefetch, limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
+        cpu_offload=CPUOffload(offload_params=f.cpu_offload), sync_module_states=f.sync_module_states,
         device_id=topo.device,  # on CPU too: without it FSDP1 asks for an accelerator
         device_mesh=topo.mesh,
     )
@@ -582,8 +572,7 @@ def fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, block_mod
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
-        # The last block runs first in backward: resharding it would free parameters only to gather
-        # them again at once. The root likewise (FSDP2's own default for the root).
+        # The last block and the root run first in backward: resharding them would only gather them again at once.
         fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=mp, **kw)
     fully_shard(model, reshard_after_forward=False, mp_policy=dataclasses.replace(mp, cast_forward_inputs=True), **kw)
     if any(p.is_meta for p in model.parameters()):
@@ -600,9 +589,8 @@ def fsdp2_reshards(f):
 
 
 def forward_prefetch_in_run_order(root, units):
-    """--forward-prefetch under FSDP2: each unit issues the next one's all-gather in forward, in the
-    order of the first forward (recorded by hooks that then remove themselves): the Free
-    Transformer runs its latent sampler between two blocks."""
+    """--forward-prefetch under FSDP2: each unit issues the next one's all-gather in forward, in the order of the first
+    forward (recorded by hooks that then go): the Free Transformer runs its latent sampler between two blocks."""
     order, handles = [], []
 
     def ran(module, args):
@@ -630,9 +618,7 @@ def local_parameter_count(model):
 def precision_context(cfg, device):
     """FSDP1 and FSDP2 cast through their mixed-precision policies: the model computes in param_dtype. DDP
     and one device use autocast instead (the weights and residual stream stay fp32); --autocast adds it under FSDP."""
-    if not autocasts(cfg):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[cfg.fsdp.param_dtype])
+    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype]) if autocasts(cfg) else contextlib.nullcontext()
 
 
 def autocasts(cfg):
@@ -742,9 +728,8 @@ def build_optimizer(model, cfg, lr, device, decay_names):
 
 
 def lr_at(step, peak, cfg, max_steps):
-    """The rate of step `step` (from 0): a linear warmup, then cosine, reaching min_lr_ratio * peak
-    at step --lr-decay-steps and staying there, or wsd: the peak, then a linear decay over the last
-    --lr-decay-steps steps (0: the default for max_steps)."""
+    """The rate of step `step` (from 0): linear warmup, then cosine to min_lr_ratio * peak at step --lr-decay-steps,
+    flat after; or wsd: the peak, then a linear decay over the last --lr-decay-steps (0: from max_steps)."""
     t, floor = cfg.train, cfg.train.min_lr_ratio
     if step < t.warmup_steps:
         return peak * (step + 1) / t.warmup_steps
@@ -772,9 +757,8 @@ def micro_batches(data, step, cfg, plan, topo):
 
 
 def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
-    """One optimizer step over the micro-batches. Each micro-batch loss is divided by their number,
-    so the summed gradient is that of the mean loss over the global batch. Returns (mean losses,
-    global gradient norm, whether the step was skipped)."""
+    """One optimizer step over the micro-batches; each one's loss is divided by their number, so the summed gradient is
+    that of the mean loss over the global batch. Returns (mean losses, global gradient norm, whether skipped)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
         new_graph_step(cfg)
@@ -982,9 +966,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
 
 
 def run(argv=None, **seams):
-    """The entry point of `python train_fsdp.py` and of your own model's script: main(argv, **seams),
-    then exit. Bad input: one line on stderr, exit 2. A run that cannot go on: one line, exit 1.
-    Stopped by SIGTERM/SIGUSR1 after saving: exit 3 (requeue me). Finished: 0."""
+    """The entry point of `python train_fsdp.py` and of your model's script: main(argv, **seams), then exit: 0 finished;
+    1 a run that cannot go on, 2 bad input (one line on stderr); 3 saved and stopped by SIGTERM/SIGUSR1 (requeue me)."""
     code, message = 0, None
     try:
         main(argv, **seams)
@@ -1003,9 +986,8 @@ def run(argv=None, **seams):
 
 
 def leave(code):
-    """Exit without tearing down the interpreter: a gloo worker thread may still be releasing a
-    finished collective's tensors, and if it needs the GIL while Python finalises, the process
-    aborts after a run that succeeded. Everything is written and closed by now."""
+    """Exit without tearing down the interpreter: a gloo worker thread may still be releasing a finished collective's
+    tensors, and if it needs the GIL while Python finalises, a run that succeeded aborts. All is closed by now."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -1033,9 +1015,8 @@ def init_order(model, units):
 
 
 def meta_init_fn(model, init_fn, device):
-    """FSDP1, DDP and one device: a function that allocates one module's meta tensors on `device`
-    and initialises them. A parameter several modules share (a tied embedding and head) is
-    allocated once and given to the others: to_empty per module would untie them."""
+    """FSDP1, DDP and one device: a function allocating one module's meta tensors on `device` and initialising them. A
+    parameter modules share (tied embedding and head) is allocated once: to_empty per module would untie it."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     holders = collections.Counter(p for m in model.modules() for p in m.parameters(recurse=False))
     shared = {}  # meta parameter -> its allocation, until every holder has it
@@ -1078,9 +1059,8 @@ def init_tensors(module, name, fresh, init_fn):
 
 @torch.no_grad()
 def init_weights(model, order, init_fn):
-    """FSDP2, after to_empty: initialise each module in `order`. A sharded parameter is initialised
-    as a full tensor of which each rank keeps its shard, so the weights do not depend on the world
-    size; one parameter at a time is held in full."""
+    """FSDP2, after to_empty: initialise each module in `order`. A sharded parameter is initialised in full, each rank
+    keeping its shard, so the weights do not depend on the world size; one parameter at a time is held in full."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     done = set()  # a parameter shared by modules (a tied embedding and head) is initialised at its first holder
     for m in order:
@@ -1100,9 +1080,8 @@ def init_weights(model, order, init_fn):
 
 
 def meta_init_module(model, cfg):
-    """The model's init_module for --meta-init: a model whose own __init__ initialises weights would
-    lose that on the meta device, so one without the attribute is refused (init_module = None:
-    its modules' reset_parameters() are its whole initialisation)."""
+    """The model's init_module for --meta-init: a model whose own __init__ initialises weights would lose that on the
+    meta device, so one without it is refused (init_module = None: its modules' reset_parameters() suffice)."""
     if cfg.fsdp.meta_init and not hasattr(model, "init_module"):
         raise BadInput(f"--meta-init: {type(model).__name__} has no init_module(module): whatever its __init__ does "
                        "to the weights would run on the meta device and be lost; give it one (or init_module = None "
@@ -1120,8 +1099,7 @@ def meta_init_module(model, cfg):
 #     rng_rank{r}.pt    every RNG state of rank r (torch CPU and CUDA, numpy, Python)
 # run_dir/checkpoints/latest, best    the names of the newest and of the best complete checkpoint
 #
-# Every rank writes into checkpoints/.tmp-step_N; once all have, rank 0 renames it, so a process
-# killed at any moment leaves the previous checkpoint as latest.
+# Every rank writes into checkpoints/.tmp-step_N, which rank 0 renames once all have: a kill leaves the last as latest.
 
 
 class Checkpointer:
@@ -1272,8 +1250,7 @@ def write_text_atomic(path, text):
 
 
 def sharded_state(model, optimizer, options=None):
-    """What a sharded checkpoint's dcp/ holds: the model's and the optimizer's state dicts (each
-    rank its shards under FSDP; collectives)."""
+    """dcp/ of a sharded checkpoint: model and optimizer state dicts (each rank its shards under FSDP; collectives)."""
     return {"model": get_model_state_dict(model, options=options),
             "optim": get_optimizer_state_dict(model, optimizer, options=options)}
 
@@ -1301,9 +1278,8 @@ def set_rng_state(state):
 
 
 def error_text(e, rank, path=None):
-    """`rank R: Type: message`. DCP's CheckpointException names only the failing ranks: the cause is
-    the first failing rank's own error. A torch.save that fails for lack of space says "unexpected
-    pos": the full file system of `path` is then named."""
+    """`rank R: Type: message`. DCP's CheckpointException only names the failing ranks: the cause is the first one's own
+    error. A torch.save out of space says "unexpected pos": the full file system of `path` is then named."""
     if isinstance(e, CheckpointException) and e.failures:
         rank, (e, _) = next(iter(e.failures.items()))
     text = f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
@@ -1378,11 +1354,9 @@ def complete_checkpoints(root):
     if not os.path.isdir(root):
         return []
     names = [n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".old")]
-
-    def saved_at(name):
-        meta = os.path.join(root, name, "meta.json")
-        return (os.path.getmtime(meta) if os.path.exists(meta) else 0.0, name)
-    return sorted(names, key=saved_at, reverse=True)
+    metas = {n: os.path.join(root, n, "meta.json") for n in names}
+    saved_at = {n: os.path.getmtime(m) if os.path.exists(m) else 0.0 for n, m in metas.items()}
+    return sorted(names, key=lambda n: (saved_at[n], n), reverse=True)
 
 
 def check_checkpoint(path):
@@ -1405,9 +1379,8 @@ def find_resume_checkpoint(run_dir, notes, skip=()):
     (noted) when it is damaged; (None, None) when there is none. skip: ones that failed to load."""
     root = os.path.join(run_dir, "checkpoints")
     names = complete_checkpoints(root)
-    with contextlib.suppress(OSError):
-        with open(os.path.join(root, "latest")) as fh:
-            latest = fh.read().strip()
+    with contextlib.suppress(OSError), open(os.path.join(root, "latest")) as fh:
+        latest = fh.read().strip()
         names = [latest] + [n for n in names if n != latest]
     for path in [os.path.join(root, name) for name in names if os.path.join(root, name) not in skip]:
         try:
@@ -1497,8 +1470,7 @@ def read_dcp_metadata(dcp_dir):
 
 
 def dcp_load(state, dcp_dir):
-    """dcp.load that runs no code from the checkpoint. A refusal on any rank is BadInput (DCP wraps
-    what load_bytes raises in a CheckpointException)."""
+    """dcp.load running no checkpoint code: a refusal on any rank is BadInput (DCP wraps it in CheckpointException)."""
     read_dcp_metadata(dcp_dir)
     try:
         dcp.load(state, checkpoint_id=dcp_dir, planner=WeightsOnlyLoadPlanner())
@@ -1514,29 +1486,27 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
     checkpoint loads at any world size and sharding strategy (DCP reshards). Whatever fails on any
     rank raises on every rank: CorruptCheckpoint for bytes that do not load, BadInput for a refused file."""
     meta = check_checkpoint(path)
-    error = None  # (message, what it is: "failed", "refused" or "unreadable") of this rank
+    error = None  # (message, the exception every rank raises) of this rank
     try:
         load_states(path, meta, model, optimizer, scaler, topo, cfg.train.seed)
     except RunFailed as e:  # readable, but not resumable (e.g. saved without optimizer state)
-        error = (str(e), "failed")
+        error = (str(e), RunFailed)
     except BadInput as e:  # a file that asks to run code: stop, not an older checkpoint instead
-        error = (str(e), "refused")
+        error = (str(e), BadInput)
     except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
-        error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", "failed")
+        error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", RunFailed)
     except (Exception, CheckpointException) as e:
-        error = (f"rank {topo.rank}: {type(e).__name__}: {e}", "unreadable")
+        error = (f"checkpoint {path} is incomplete or corrupted: rank {topo.rank}: {type(e).__name__}: {e}",
+                 CorruptCheckpoint)
     error = any_rank_error(error, topo)
-    if error and error[1] == "unreadable":
-        raise CorruptCheckpoint(f"checkpoint {path} is incomplete or corrupted: {error[0].splitlines()[0]}")
     if error:
-        raise (BadInput if error[1] == "refused" else RunFailed)(error[0].splitlines()[0])
+        raise error[1](error[0].splitlines()[0])
     return meta
 
 
 def load_states(path, meta, model, optimizer, scaler, topo, seed):
     if meta["type"] == "sharded":
-        # get_optimizer_state_dict makes empty optimizer state first, so DCP has tensors to load into.
-        state = sharded_state(model, optimizer)
+        state = sharded_state(model, optimizer)  # with empty optimizer state: tensors for DCP to load into
         dcp_load(state, os.path.join(path, "dcp"))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -1734,9 +1704,8 @@ def prepare_run_dir(cfg, rank, digests=None):
 
 
 def lock_run_dir(run_dir):
-    """flock RUN_DIR/run.lock: a second launch into the directory is refused, naming the holder.
-    The kernel drops the lock when the process ends, however it ends: a killed run's never blocks
-    a resume. Returns (the open file, or None on a file system without locks; notes)."""
+    """flock RUN_DIR/run.lock: a second launch into the directory is refused, naming the holder. The kernel drops the
+    lock however the process ends: a killed run's never blocks a resume. Returns (file or None without flock, notes)."""
     path = os.path.join(run_dir, RUN_LOCK)
     fh = open(path, "a+")
     try:
@@ -1782,8 +1751,7 @@ def choose_start(cfg, digests):
     for section, sec in sections(cfg).items() if old is not None else ():  # fields the old run predates
         if hasattr(sec, "saved_fields"):
             old[section] = sec.saved_fields(old.get(section, {}))
-    # The schedule's length is the run's, fixed at its first launch: a resume keeps it.
-    t, saved = cfg.train, (old or {}).get("train", {})
+    t, saved = cfg.train, (old or {}).get("train", {})  # the schedule's length is the first launch's: a resume keeps it
     t.lr_decay_steps = t.lr_decay_steps or saved.get("lr_decay_steps") or saved.get("max_steps") or \
         (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
     if old is not None:
@@ -1801,8 +1769,7 @@ def read_saved_config(config_path, run_dir):
 
 
 def resume_changes(cfg, old, meta, digests, resume):
-    """The notes of a resume whose config (`old`) and data (meta's digests) match; BadInput on a
-    change that would silently change the run."""
+    """The notes of a resume; BadInput where the config (`old`) or data (meta's digests) would silently change it."""
     refused, allowed = [], []
     for section, sec in sections(cfg).items():
         fixed = RESUME_FIXED[section] if section in RESUME_FIXED else set(dataclasses.asdict(sec))
@@ -1836,8 +1803,7 @@ def data_changes(old, new):
 
 
 def schedule_change(cfg, before, start):
-    """What a resume at step `start` with another --max-steps or schedule does to the rates, in one
-    line. `before`: the saved run's [train] table."""
+    """What a resume at step `start` with another --max-steps or schedule does to the rates (`before`: its [train])."""
     t, peak = cfg.train, peak_lr(cfg.train)
     old_steps = before.get("max_steps") or t.max_steps
     old = dataclasses.replace(cfg, train=dataclasses.replace(t, lr_schedule=before.get("lr_schedule", "cosine"),
@@ -1857,8 +1823,7 @@ def schedule_change(cfg, before, start):
 
 
 def start_in(run_dir, step, cfg):
-    """Rank 0, once the run's start is loaded: clear what a stopped attempt left, keep the metrics up
-    to the step the run starts from, and save the config."""
+    """Rank 0, once the start is loaded: clear what a stopped attempt left, keep metrics to `step`, save the config."""
     root = os.path.join(run_dir, "checkpoints")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, STOPPED_FILE))
@@ -1900,18 +1865,16 @@ def debug_env(run_dir):
     os.environ.setdefault("NCCL_DEBUG", "INFO")
     dist.set_debug_level_from_env()
     prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
-    for names, value in ((("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
-                         (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
-                         (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), prefix)):
-        for name in names:  # releases before the TORCH_FR_* names read the TORCH_NCCL_* ones
-            os.environ.setdefault(name, value)
+    for name, value in {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}.items():
+        os.environ.setdefault(name, value)  # releases before the TORCH_FR_* names read the TORCH_NCCL_* ones
 
 
 def flight_recorder_dumps():
     """The path prefix of the flight recorder's dumps when it is on (--debug or slurm_submit.sh), else None."""
-    if os.environ.get("TORCH_FR_BUFFER_SIZE", "0") in ("", "0"):
-        return None
-    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None
+    on = os.environ.get("TORCH_FR_BUFFER_SIZE", "0") not in ("", "0")
+    return (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None) if on else None
 
 
 # =============================================================================================
@@ -1968,8 +1931,7 @@ class RunLog:
     def metrics(self, record):
         if self.rank == 0:
             self.write(self.jsonl, json.dumps(record) + "\n")
-            # Each key once a step: a validation at a log step repeats its tokens_seen.
-            step = record["step"]
+            step = record["step"]  # each key once a step: a validation at a log step repeats its tokens_seen
             if step != self.sent_step:
                 self.sent_step, self.sent_keys = step, set()
             scalars = {k: v for k, v in record.items()
@@ -2012,8 +1974,7 @@ class RunLog:
                     fh.close()
 
 
-# Trackers: rank 0 only, opened once the step to continue from is known, each with a name,
-# log(step, scalars) and close(). A resume continues the same tracker run.
+# Trackers (RunLog.start_trackers): each has a name, log(step, scalars) and close(); a resume continues the same run.
 
 
 class TensorBoardRun:
@@ -2022,8 +1983,7 @@ class TensorBoardRun:
 
     def __init__(self, cfg, start_step):
         from torch.utils.tensorboard import SummaryWriter
-        # purge_step: TensorBoard hides what earlier event files hold from this step on, as
-        # keep_metric_lines drops it from metrics.jsonl.
+        # purge_step: TensorBoard hides earlier event files' values from this step on, as metrics.jsonl drops them.
         self.writer = SummaryWriter(os.path.join(cfg.train.out_dir, "tensorboard"), purge_step=start_step + 1)
         config = json.dumps(dataclasses.asdict(cfg), indent=1)
         self.writer.add_text("config", "    " + config.replace("\n", "\n    "), start_step)  # Markdown code
@@ -2167,9 +2127,7 @@ def memory_stats(device):
 
 
 def peak_flops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
@@ -2184,11 +2142,11 @@ def describe_model(model, plan):
 
 def log_summary(log, cfg, topo, plan, model, about, n_val):
     """Rank 0's start-up lines: the config, where it runs, the strategy, parameters, batches, evaluation, saves."""
-    t, c, device = cfg.train, cfg.checkpoint, topo.device
+    t, c, device, n = cfg.train, cfg.checkpoint, topo.device, about["total"]
     per_rank = [None] * topo.world
     dist.all_gather_object(per_rank, local_parameter_count(model))
     log.line(json.dumps(dataclasses.asdict(cfg), indent=1), file_too=False)
-    one = one_unit(cfg.fsdp, about["total"])
+    one = one_unit(cfg.fsdp, n)
     headline, notes = describe_strategy(cfg, one=one)
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
@@ -2198,9 +2156,8 @@ def log_summary(log, cfg, topo, plan, model, about, n_val):
         log.line("--auto-wrap auto: " + ("the whole model is one FSDP unit (--auto-wrap module makes each block one)"
                                          if one else "each block is an FSDP unit (the module rule)"))
     if t.compile:
-        mode = compile_mode(cfg, about["total"])
-        log.line(f"compile: {'each block' if compiles_blocks(cfg, about['total']) else 'the model'}, mode {mode}")
-    log.line(f"parameters: total {about['total']:,} | trainable {about['trainable']:,} | on rank 0 {per_rank[0]:,} "
+        log.line(f"compile: {'each block' if compiles_blocks(cfg, n) else 'the model'}, mode {compile_mode(cfg, n)}")
+    log.line(f"parameters: total {n:,} | trainable {about['trainable']:,} | on rank 0 {per_rank[0]:,} "
              f"(fewest on a rank {min(per_rank):,}, most {max(per_rank):,})")
     log.line(f"batch: global {t.global_batch} = micro {plan.micro} x world {topo.world} x accum {plan.accum} "
              f"({t.grad_accum_mode}) | seq {plan.seq_len} | {plan.tokens_per_step:,} tokens/step | "
@@ -2228,10 +2185,8 @@ def describe_strategy(cfg, one=False):
     t, f = cfg.train, cfg.fsdp
     default, off = FSDPConfig(), {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
     ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items() if k in off and v != getattr(default, k)]
-    notes = []
-    if ignored:
-        kind = "FSDP1" if t.strategy == "fsdp2" else "FSDP"
-        notes.append(f"with --strategy {t.strategy} these {kind} settings have no effect: {', '.join(ignored)}")
+    notes = [f"with --strategy {t.strategy} these {'FSDP1' if t.strategy == 'fsdp2' else 'FSDP'} settings have no "
+             f"effect: {', '.join(ignored)}"] if ignored else []
     if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
         notes.append("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them")
     if t.strategy == "fsdp":
@@ -2263,9 +2218,8 @@ def loss_precision(cfg):
 
 
 class Stopper:
-    """The signals only set a flag; every rank then finishes its step, saves and exits together
-    (code 3). Also a worker whose torchrun has gone (killed by a signal it does not forward): it
-    would train on alone, unseen by the next launch into its run directory."""
+    """Signals only set a flag: every rank finishes its step, saves and exits together (code 3). Also a worker whose
+    torchrun has gone (killed by a signal it does not forward): it would train on alone, unseen by a next launch."""
 
     LAUNCHER_GONE = 1000  # a stop reason beside the signal numbers, larger than any of them
 
@@ -2402,10 +2356,9 @@ def read_toml(config_path):
     try:
         with open(config_path, "rb") as fh:
             file_values = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise BadInput(f"--config {config_path}: not valid TOML ({e})")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--config {config_path}: not valid TOML, TOML files are UTF-8 ({e})")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        utf8 = ", TOML files are UTF-8" if isinstance(e, UnicodeDecodeError) else ""
+        raise BadInput(f"--config {config_path}: not valid TOML{utf8} ({e})")
     for section, table in file_values.items():
         if not isinstance(table, dict):
             raise BadInput(f"{config_path}: top-level key {section!r} must be a table like [train]")
