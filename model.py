@@ -390,6 +390,12 @@ class Transformer(nn.Module):
         elif isinstance(m, LatentSampler):
             init_post_sampler(m.post_sampler, self.cfg)
 
+    @staticmethod
+    def muon_filter(name, p):
+        """--optimizer muon's hidden matrices: the 2-D weights of the blocks and of the Free Transformer's
+        encoder. The embedding, the head and the post-sampler table (rows looked up by token or code) take AdamW."""
+        return p.dim() == 2 and name.startswith(("blocks.", "latent.encoder."))
+
     # Eager even inside a compiled model: compiled, inductor fuses the tables' sin and cos into
     # every block's rotary kernel and recomputes them for each batch row and head. Computed here
     # once per forward, they are an input.

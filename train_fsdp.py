@@ -137,6 +137,9 @@ class TrainConfig:
                               valid=">= 0")
     beta1: float = opt(0.9, "AdamW beta1", valid="in [0, 1)")
     beta2: float = opt(0.95, "AdamW beta2", valid="in [0, 1)")
+    optimizer: str = opt("adamw", "adamw, or muon: Muon on the hidden matrices, AdamW on the rest (fsdp2, ddp, none)",
+                         ["adamw", "muon"])
+    muon_lr: float = opt(0.0, "Muon's peak rate; 0 = --lr (its update is scaled to AdamW's RMS)", valid=">= 0")
     grad_clip: float = opt(1.0, "max global gradient norm; 0 = no clipping", valid=">= 0")
     eval_every: int = opt(100, "validate every N steps (and at the end); 0 = only at the end", valid=">= 0")
     eval_samples: int = opt(512, "validation sequences per evaluation", valid=">= 1")
@@ -713,18 +716,69 @@ def unwrapped_name(name):
     return name.removeprefix("module.")
 
 
-def build_optimizer(model, cfg, lr, device, decay_names):
-    """AdamW, decaying the parameters in decay_names. Under --no-use-orig-params FSDP1 flattens each
-    unit into one FlatParameter, so decay cannot be told apart: it then goes to all."""
-    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+def hidden_matrices(model, wrap_classes):
+    """Names of the parameters --optimizer muon orthogonalises: the model's muon_filter(name, param) where it
+    has one, else the 2-D weights inside the FSDP unit classes (the blocks). Embeddings and head take AdamW."""
+    if hasattr(model, "muon_filter"):
+        return {n for n, p in model.named_parameters() if model.muon_filter(n, p)}
+    return {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, tuple(wrap_classes))
+            for n, p in m.named_parameters() if p.dim() == 2}
+
+
+def build_optimizer(model, cfg, lr, device, decay_names, hidden=()):
+    """AdamW, decaying the parameters in decay_names; under --optimizer muon the `hidden` matrices take Muon.
+    Under --no-use-orig-params FSDP1 flattens each unit into one FlatParameter, so decay goes to all."""
+    t, named = cfg.train, [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = hidden if t.optimizer == "muon" else ()
     if any(n.endswith("_flat_param") for n, _ in named):
-        groups = [{"params": [p for _, p in named], "weight_decay": cfg.train.weight_decay}]
+        groups = [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
     else:
-        groups = [{"params": [p for n, p in named if n in decay_names], "weight_decay": cfg.train.weight_decay},
-                  {"params": [p for n, p in named if n not in decay_names], "weight_decay": 0.0}]
+        groups = [{"params": [p for n, p in named if n in decay_names and n not in hidden],
+                   "weight_decay": t.weight_decay},
+                  {"params": [p for n, p in named if n not in decay_names and n not in hidden], "weight_decay": 0.0}]
     # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf: fp16 takes foreach.
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=fused)
+    optimizer = (Muon if hidden else torch.optim.AdamW)(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
+    if hidden:
+        optimizer.add_param_group({"params": [p for n, p in named if n in hidden], "weight_decay": t.weight_decay,
+                                   "muon": cfg.fsdp.param_dtype, "lr_ratio": (t.muon_lr or t.lr) / t.lr})
+    return optimizer
+
+
+class Muon(torch.optim.AdamW):
+    """AdamW, but a group with "muon" (the dtype of Newton-Schulz) takes Nesterov momentum orthogonalised and scaled to
+    AdamW's update RMS (0.2 sqrt(max(rows, cols)), torch's match_rms_adamw). One optimizer keeps the schedule, the
+    scaler and checkpoints as they are; torch.optim.Muon takes 2-D tensors only and would orthogonalise shards."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in (g for g in self.param_groups if g.get("muon")):
+            lr, momentum = g["lr"] * g["lr_ratio"], 0.95
+            for p in [p for p in g["params"] if p.grad is not None]:
+                state = self.state[p]
+                if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
+                    state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+                state["step"] += 1
+                buf = state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+                update = orthogonalised(p.grad.lerp(buf, momentum), DTYPES[g["muon"]])
+                p.mul_(1 - lr * g["weight_decay"]).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                p.grad = None  # AdamW's step skips it
+        return super().step(closure)
+
+
+def orthogonalised(update, dtype, steps=5):
+    """Newton-Schulz (Muon's quintic) towards the nearest semi-orthogonal matrix, in `dtype`, on the whole
+    matrix: under fsdp2 each rank gathers it, orthogonalises it and keeps its own rows of the result."""
+    x = update.full_tensor() if isinstance(update, DTensor) else update
+    x = x.to(dtype) / (x.norm() + 1e-7)
+    x = x if x.size(0) <= x.size(1) else x.mT  # the Gram matrix of the shorter side
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    x = (x if update.size(0) <= update.size(1) else x.mT).to(update.dtype)
+    if isinstance(update, DTensor):
+        return distribute_tensor(x, update.device_mesh, update.placements, src_data_rank=None)
+    return x
 
 
 def lr_at(step, peak, cfg, max_steps):
@@ -876,12 +930,12 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     if c.init_from:  # a bad path or shape fails before anything is written
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         rank0_does(lambda: check_init_from(c.init_from, shapes), topo.rank)
-    about = describe_model(model, plan)  # before wrapping: the plain model's names and counts
+    about = describe_model(model, plan, wrap_classes)  # before wrapping: the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     clock.lap("model and wrapping")
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
-    optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about["decay_names"])
+    optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about["decay_names"], about["hidden"])
     scaler = grad_scaler(cfg, topo.device)
     start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, notes)
     rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refused checkpoint changed nothing
@@ -1660,7 +1714,7 @@ STOPPED_FILE = "stopped.json"  # after an exit with code 3; removed at the next 
 # seams' sections but those their dataclass lists in RESUME_FREE. Other changes are allowed and said.
 RESUME_FIXED = {"fsdp": set(), "checkpoint": set(),
                 "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
-                          "weight_decay", "beta1", "beta2", "grad_clip"}}
+                          "weight_decay", "beta1", "beta2", "grad_clip", "optimizer", "muon_lr"}}
 
 
 def name_run_dir(cfg, model):
@@ -2131,13 +2185,14 @@ def peak_flops(device):
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def describe_model(model, plan):
+def describe_model(model, plan, wrap_classes):
     """What the run needs of the plain model before wrapping: its parameter counts, flops per token
     (the model's own count, else 6 per parameter), what decays, and what its validation figures mean."""
     total = parameter_count(model)
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
     return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "flops": flops, "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", "")}
+            "flops": flops, "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
+            "hidden": hidden_matrices(model, wrap_classes)}
 
 
 def log_summary(log, cfg, topo, plan, model, about, n_val):
@@ -2470,6 +2525,9 @@ def check_strategy(cfg, topo=None):
     if t.strategy == "fsdp" and cpu and f.sync_module_states:
         raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; on CPU "
                        "every rank already builds the same weights from --seed")
+    if t.strategy == "fsdp" and t.optimizer == "muon":
+        raise BadInput("--optimizer muon orthogonalises whole matrices, which FSDP1 holds as flat shards: use "
+                       "--strategy fsdp2 (or ddp, none)")
     if t.strategy == "none" and f.reduce_dtype == "fp16" and f.param_dtype != "fp16":
         raise BadInput("--reduce-dtype fp16 without --param-dtype fp16 has no meaning here")
     if t.strategy == "none" and topo and topo.world > 1:
