@@ -72,3 +72,9 @@ lint:
 
 clean:
 	rm -rf runs data_cache .pytest_cache __pycache__ tests/__pycache__
+
+# Plants each bug of tools/mutants.py in a scratch copy, one at a time, and reports which ones the tests
+# catch (by hand, not part of make test): make mutants [MUTANTS_ARGS="--only ID,... --baseline --cpu 1"]
+.PHONY: mutants
+mutants:
+	$(PYTHON) tools/mutants.py $(MUTANTS_ARGS)

@@ -753,32 +753,37 @@ class Muon(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for g in (g for g in self.param_groups if g.get("muon")):
-            lr, momentum = g["lr"] * g["lr_ratio"], 0.95
-            for p in [p for p in g["params"] if p.grad is not None]:
+            params, updates, lr = [p for p in g["params"] if p.grad is not None], [], g["lr"] * g["lr_ratio"]
+            for p in params:
                 state = self.state[p]
                 if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
                     state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
                 state["step"] += 1
-                buf = state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
-                update = orthogonalised(p.grad.lerp(buf, momentum), DTYPES[g["muon"]])
+                updates.append(p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95))  # Nesterov, 0.95
+            for p, update in zip(params, orthogonalised(updates, DTYPES[g["muon"]])):
                 p.mul_(1 - lr * g["weight_decay"]).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
                 p.grad = None  # AdamW's step skips it
         return super().step(closure)
 
 
-def orthogonalised(update, dtype, steps=5):
-    """Newton-Schulz (Muon's quintic) towards the nearest semi-orthogonal matrix, in `dtype`, on the whole
-    matrix: under fsdp2 each rank gathers it, orthogonalises it and keeps its own rows of the result."""
-    x = update.full_tensor() if isinstance(update, DTensor) else update
-    x = x.to(dtype) / (x.norm() + 1e-7)
-    x = x if x.size(0) <= x.size(1) else x.mT  # the Gram matrix of the shorter side
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
-    x = (x if update.size(0) <= update.size(1) else x.mT).to(update.dtype)
-    if isinstance(update, DTensor):
-        return distribute_tensor(x, update.device_mesh, update.placements, src_data_rank=None)
-    return x
+def orthogonalised(updates, dtype, steps=5):
+    """Newton-Schulz (Muon's quintic) towards the nearest semi-orthogonal matrix, in `dtype`, on whole matrices, those
+    of one shape as one batch (a step's kernels, not a matrix's): under fsdp2 each rank gathers every matrix whole
+    and keeps its own rows of the result."""
+    full = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
+    wide = [x if x.size(0) <= x.size(1) else x.mT for x in full]  # the Gram matrix of the shorter side
+    out = [None] * len(wide)
+    for shape in {x.shape for x in wide}:
+        batch = [i for i, x in enumerate(wide) if x.shape == shape]
+        x = torch.stack([wide[i] for i in batch]).to(dtype)
+        x = x / (x.norm(dim=(1, 2), keepdim=True) + 1e-7)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+        for i, o in zip(batch, x):
+            out[i] = (o if o.shape == full[i].shape else o.mT).to(full[i].dtype)
+    return [distribute_tensor(o, u.device_mesh, u.placements, src_data_rank=None) if isinstance(u, DTensor) else o
+            for o, u in zip(out, updates)]
 
 
 def lr_at(step, peak, cfg, max_steps):

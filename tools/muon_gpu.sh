@@ -3,7 +3,7 @@
 #   bash tools/muon_gpu.sh CORPUS.txt RESULTS_DIR NAME [NAME ...]
 #   quality  nanoGPT's Shakespeare recipe (tools/speed_gpu.sh first-result's, `none`, compiled): Muon's rate
 #            tuned on --seed 3 (2,000 steps of the 5,000-step schedule, --muon-lr 5e-4, 1e-3, 2e-3; the lowest
-#            best validation wins), then AdamW and Muon at that rate, seeds 1 and 2, 5,000 steps
+#            best validation wins; MUON_LR=RATE skips the tuning), then AdamW and Muon at that rate, seeds 1 and 2, 5,000 steps
 #            (tools/first_result.py: seconds and steps to validation <= 1.50 and 1.47, best validation).
 #   latent   the Free Transformer 6 x 384 on the synthetic task (H = 8 and 16), 4,000 steps, AdamW and Muon
 #            side by side on one GPU, then sample.py --demo (tools/latent_confirm.sh).
@@ -25,10 +25,13 @@ NGPU=$(nvidia-smi -L | grep -c GPU)
 for name in "$@"; do
   case $name in
   quality)
-    python tools/first_result.py $R/tune.json "muon 5e-4=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon \
-      --muon-lr 5e-4" "muon 1e-3=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon --muon-lr 1e-3" \
-      "muon 2e-3=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon --muon-lr 2e-3"
-    lr=$(python -c "import json; r = json.load(open('$R/tune.json')); print(min(r, key=lambda k: r[k]['best_val']).split()[1])")
+    if [ -z "${MUON_LR:-}" ]; then
+      python tools/first_result.py $R/tune.json "muon 5e-4=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon \
+        --muon-lr 5e-4" "muon 1e-3=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon --muon-lr 1e-3" \
+        "muon 2e-3=$T $SMALL --max-steps 2000 --seed 3 --optimizer muon --muon-lr 2e-3"
+    fi
+    lr=${MUON_LR:-$(python -c "import json; r = json.load(open('$R/tune.json')); \
+      print(min(r, key=lambda k: r[k]['best_val']).split()[1])")}
     echo "Muon's rate: $lr"
     python tools/first_result.py $R/$name.json "adamw seed 1=$T $SMALL --max-steps 5000 --seed 1" \
       "adamw seed 2=$T $SMALL --max-steps 5000 --seed 2" \
