@@ -27,6 +27,18 @@ def test_lr_warmup_then_cosine_to_min():
     assert lrs[110] == pytest.approx(0.1, rel=1e-9)                   # the last step is at the floor
 
 
+def test_grad_clip_scales_the_gradients_to_the_limit():
+    """--grad-clip: the norm returned (and logged) is the one before clipping; the gradients then have the limit's
+    norm, or are untouched at 0. The equivalence tests compare runs clipped alike: only this sees a limit ignored."""
+    for limit, after in ((1.0, 1.0), (0.0, 10.0)):
+        model = torch.nn.Linear(4, 4, bias=False)
+        model.weight.grad = torch.full((4, 4), 2.5)  # norm 10
+        cfg = SimpleNamespace(train=SimpleNamespace(grad_clip=limit, strategy="none"))
+        norm = train_fsdp.clip_gradients(model, cfg)
+        assert norm.item() == pytest.approx(10.0)
+        assert model.weight.grad.norm().item() == pytest.approx(after, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("misc")
