@@ -18,7 +18,7 @@ SMALL="--dataset $CORPUS --tokenizer-type char --tokenizer-vocab-size 256 --val-
  --warmup-steps 100 --lr-decay-steps 5000 --eval-every 250 --eval-samples 512 --log-every 50 --no-save-final \
  --compile --overwrite --strategy none --cache-dir $W/data --out-dir $W/runs/r"
 ONE="--size 1b --arch baseline --meta-init --no-tie-embeddings --dataset random --tokenizer-vocab-size 32000 \
- --seq-len 2048 --micro-batch 12 --global-batch 48 --max-steps 14 --log-every 1 --eval-every 0 --eval-samples 8 \
+ --seq-len 2048 --micro-batch 12 --global-batch 48 --max-steps 10 --log-every 1 --eval-every 0 --eval-samples 8 \
  --no-save-final --warmup-steps 2 --lr 3e-4 --compile --overwrite --strategy fsdp2 --out-dir $W/a"
 NGPU=$(nvidia-smi -L | grep -c GPU)
 
