@@ -71,7 +71,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -753,37 +753,40 @@ class Muon(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         for g in (g for g in self.param_groups if g.get("muon")):
-            params, updates, lr = [p for p in g["params"] if p.grad is not None], [], g["lr"] * g["lr_ratio"]
-            for p in params:
-                state = self.state[p]
-                if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
-                    state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
-                state["step"] += 1
-                updates.append(p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95))  # Nesterov, 0.95
-            for p, update in zip(params, orthogonalised(updates, DTYPES[g["muon"]])):
-                p.mul_(1 - lr * g["weight_decay"]).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
-                p.grad = None  # AdamW's step skips it
+            params, lr = [p for p in g["params"] if p.grad is not None], g["lr"] * g["lr_ratio"]
+            for key in dict.fromkeys(keys := [(p.shape, getattr(p, "placements", None)) for p in params]):
+                batch = [p for p, k in zip(params, keys) if k == key]  # a shape's matrices: one batch of kernels
+                for p, update in zip(batch, orthogonalised([self.nesterov(p) for p in batch], DTYPES[g["muon"]])):
+                    p.mul_(1 - lr * g["weight_decay"]).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                    p.grad = None  # AdamW's step skips it
         return super().step(closure)
+
+    def nesterov(self, p):
+        state = self.state[p]
+        if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
+            state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+        state["step"] += 1
+        return p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95)  # Nesterov momentum, 0.95
 
 
 def orthogonalised(updates, dtype, steps=5):
-    """Newton-Schulz (Muon's quintic) towards the nearest semi-orthogonal matrix, in `dtype`, on whole matrices, those
-    of one shape as one batch (a step's kernels, not a matrix's): under fsdp2 each rank gathers every matrix whole
-    and keeps its own rows of the result."""
-    full = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
-    wide = [x if x.size(0) <= x.size(1) else x.mT for x in full]  # the Gram matrix of the shorter side
-    out = [None] * len(wide)
-    for shape in {x.shape for x in wide}:
-        batch = [i for i, x in enumerate(wide) if x.shape == shape]
-        x = torch.stack([wide[i] for i in batch]).to(dtype)
-        x = x / (x.norm(dim=(1, 2), keepdim=True) + 1e-7)
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
-        for i, o in zip(batch, x):
-            out[i] = (o if o.shape == full[i].shape else o.mT).to(full[i].dtype)
-    return [distribute_tensor(o, u.device_mesh, u.placements, src_data_rank=None) if isinstance(u, DTensor) else o
-            for o, u in zip(out, updates)]
+    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, in `dtype`.
+    Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
+    orthogonalises 1/world of the matrices whole, once, and trades the results back into row shards."""
+    u, x = updates[0], torch.stack(updates)
+    if isinstance(u, DTensor):
+        x = x.redistribute(placements=[Shard(0) if isinstance(p, Shard) else p for p in x.placements])
+    y = (x.to_local() if isinstance(x, DTensor) else x).to(dtype)
+    y = (y.mT if x.size(1) > x.size(2) else y) / (y.norm(dim=(1, 2), keepdim=True) + 1e-7)  # Gram of the short side
+    for _ in range(steps):
+        gram = y @ y.mT
+        y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
+    y = (y.mT if x.size(1) > x.size(2) else y).to(x.dtype)
+    if not isinstance(u, DTensor):
+        return y
+    y = DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    y = y.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in x.placements]).to_local()
+    return [DTensor.from_local(o, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()) for o in y]
 
 
 def lr_at(step, peak, cfg, max_steps):

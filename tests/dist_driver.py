@@ -7,10 +7,11 @@ RUNS.json maps a run name to a list of train_fsdp.py arguments; each run writes 
 With RECORD_COMMS=1 in the environment, every rank also writes OUT_DIR/comms_rank{r}.json: per
 optimizer step, the gradient reductions it issued (FSDP's reduce-scatters and all-reduces, with
 their dtypes; DDP's bucket all-reduces, counted by a comm hook that runs torch's averaging
-allreduce_hook) and the parameter all-gathers. The wrappers only count: the tensors and the
-collectives are the same. It also writes OUT_DIR/wrap_rank{r}.json at the end of the run: the
-FSDP units (name in the unwrapped model, class of the sharded module), the tensor types of the
-model's state dict, FSDP2's forward-prefetch pairs and the policies of its units.
+allreduce_hook), the parameter all-gathers and the matrix FLOPs of Muon's Newton-Schulz
+("newton_schulz_flops"). The wrappers only count: the tensors and the collectives are the same.
+It also writes OUT_DIR/wrap_rank{r}.json at the end of the run: the FSDP units (name in the
+unwrapped model, class of the sharded module), the tensor types of the model's state dict, FSDP2's
+forward-prefetch pairs and the policies of its units.
 """
 import collections
 import functools
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
@@ -61,7 +63,14 @@ class CommRecorder:
                 return _original(*args, **kwargs)
             setattr(dist, op, functools.wraps(original)(counting))
 
-        wrap_model, train_step = train_fsdp.wrap_model, train_fsdp.train_step
+        wrap_model, train_step, orthogonalised = train_fsdp.wrap_model, train_fsdp.train_step, train_fsdp.orthogonalised
+
+        def counting_orthogonalised(*args, **kwargs):
+            with FlopCounterMode(display=False) as flops:
+                out = orthogonalised(*args, **kwargs)
+            self.current["newton_schulz_flops"] += flops.get_total_flops()
+            return out
+        train_fsdp.orthogonalised = counting_orthogonalised
 
         def recording_wrap_model(*args, **kwargs):
             model = wrap_model(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""--optimizer muon on CPU with gloo: fsdp2 (each matrix gathered and orthogonalised whole) and ddp on
+"""--optimizer muon on CPU with gloo: fsdp2 (each matrix orthogonalised whole, by one rank) and ddp on
 2 processes give one process's losses (fp32, accumulation, a SwiGLU of 97 rows that 2 ranks cannot
 split evenly); a resume is exact (sharded under fsdp2, full under ddp) and resharding fsdp2's
 checkpoint onto one process stays within 1e-5; a resume that switches --optimizer and Muon under FSDP1
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_checkpoint import cli, cmd_args, error_line, interrupted_copy, losses_of, resumed_step
-from test_distributed import ROOT, assert_same, launch
+from test_distributed import ROOT, assert_same, comms, launch
 
 sys.path.insert(0, ROOT)
 import model as model_lib  # noqa: E402
@@ -24,14 +24,15 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("muon")
     two = launch(tmp, 2, {"fsdp2": ["--strategy", "fsdp2"] + MUON,
                           "ddp": ["--strategy", "ddp", "--checkpoint-type", "full"] + MUON,
-                          "adamw": ["--strategy", "fsdp2", "--ffn-hidden", "97", "--max-steps", "3"]}, "two")
+                          "adamw": ["--strategy", "fsdp2", "--ffn-hidden", "97", "--max-steps", "3"]},
+                 "two", record=True)
     for name in ("fsdp2", "ddp"):
         interrupted_copy(two[name][2], tmp / f"resumed-{name}", at=3)
     interrupted_copy(two["fsdp2"][2], tmp / "one-resharded", at=3)
     adamw_weights = os.path.join(two["adamw"][2], "checkpoints", "step_0000003")
     one = launch(tmp, 1, {"none": ["--strategy", "none"] + MUON,
                           "resharded": ["--strategy", "none"] + MUON,
-                          "init": ["--strategy", "fsdp2", "--init-from", adamw_weights] + MUON}, "one")
+                          "init": ["--strategy", "fsdp2", "--init-from", adamw_weights] + MUON}, "one", record=True)
     again = launch(tmp, 2, {"fsdp2": ["--strategy", "fsdp2"] + MUON,
                             "ddp": ["--strategy", "ddp", "--checkpoint-type", "full"] + MUON}, "resumed")
     return tmp, two, one, again
@@ -43,6 +44,17 @@ def test_two_processes_match_one(runs):
     assert_same(two["ddp"][0], one["none"][0])
     assert one["none"][0][-1] < 0.9 * one["none"][0][0]  # it learns
     assert two["adamw"][0][:3] != two["fsdp2"][0][:3]  # another optimizer: other losses
+
+
+def test_fsdp2_orthogonalises_each_matrix_once(runs):
+    """Each rank orthogonalises its share of the matrices (14 here: 8 of 32 x 32, 4 of 97 x 32, 2 of 32 x 97), whole:
+    the ranks' Newton-Schulz FLOPs add up to one process's, step by step (every rank doing every matrix
+    would double them; a rank orthogonalising shards would do fewer)."""
+    _, two, one, _ = runs
+    per_rank = [[s["newton_schulz_flops"] for s in comms(two["fsdp2"], rank)] for rank in (0, 1)]
+    single = [s["newton_schulz_flops"] for s in comms(one["none"])]
+    assert [a + b for a, b in zip(*per_rank)] == single and len(single) == 6, (per_rank, single)
+    assert 0 < min(per_rank[0] + per_rank[1]) and max(per_rank[0] + per_rank[1]) < single[0]
 
 
 def test_resume_is_exact_and_reshards(runs):
