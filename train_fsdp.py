@@ -770,18 +770,18 @@ class Muon(torch.optim.AdamW):
 
 
 def orthogonalised(updates, dtype, steps=5):
-    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, in `dtype`.
-    Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
+    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, returned in
+    `dtype`. Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
     orthogonalises 1/world of the matrices whole, once, and trades the results back into row shards."""
-    u, x = updates[0], torch.stack(updates)
+    u, x = updates[0], torch.stack(updates).to(dtype)  # traded in `dtype` too: half the bytes of fp32
     if isinstance(u, DTensor):
         x = x.redistribute(placements=[Shard(0) if isinstance(p, Shard) else p for p in x.placements])
-    y = (x.to_local() if isinstance(x, DTensor) else x).to(dtype)
+    y = x.to_local() if isinstance(x, DTensor) else x
     y = (y.mT if x.size(1) > x.size(2) else y) / (y.norm(dim=(1, 2), keepdim=True) + 1e-7)  # Gram of the short side
-    for _ in range(steps):
+    for _ in range(steps):  # y = a y + (b G + c G^2) y with G = y y^T, the scalings fused into the products
         gram = y @ y.mT
-        y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
-    y = (y.mT if x.size(1) > x.size(2) else y).to(x.dtype)
+        y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), y, beta=3.4445)
+    y = y.mT if x.size(1) > x.size(2) else y
     if not isinstance(u, DTensor):
         return y
     y = DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
