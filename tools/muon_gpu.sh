@@ -7,7 +7,7 @@
 #            (tools/first_result.py: seconds and steps to validation <= 1.50 and 1.47, best validation).
 #   latent   the Free Transformer 6 x 384 on the synthetic task (H = 8 and 16), 4,000 steps, AdamW and Muon
 #            side by side on one GPU, then sample.py --demo (tools/latent_confirm.sh).
-#   cost     the 1b model's step under fsdp2 (tools/speed_gpu.sh's 1b flags, 12 x 4 rows a step), AdamW against
+#   cost     (CORPUS unused: /dev/null) the 1b model's step under fsdp2 (tools/speed_gpu.sh's 1b flags, 12 x 4 rows a step), AdamW against
 #            Muon, on one GPU and then on every GPU (tools/startup_bench.py).
 set -uo pipefail
 CORPUS=$1; R=$2; shift 2; mkdir -p "$R"; W=/tmp/muon; rm -rf $W; mkdir -p $W
