@@ -62,8 +62,9 @@ SUITE ?= single
 bench:
 	$(PYTHON) bench.py --suite $(SUITE) $(BENCH_ARGS)
 
+# Two workers (pytest-xdist), each test file on one of them, so that its module fixtures run once.
 test:
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 # ruff's settings are in pyproject.toml; CI runs this before the tests.
 lint:

@@ -35,6 +35,8 @@ import torch.distributed.checkpoint as dcp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
@@ -228,10 +230,10 @@ def cmd_args(run_dir, cache, extra):
 
 def cli(args, timeout=300, wrapper=None):
     """python train_fsdp.py ARGS (one process), or through a `python -c WRAPPER` given sys.argv."""
-    cmd = [sys.executable, "train_fsdp.py", *map(str, args)]
-    if wrapper:
-        cmd = [sys.executable, "-c", wrapper, *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    if not wrapper:
+        return script_runner.run("train_fsdp.py", args, ROOT, clean_env(), timeout)
+    return subprocess.run([sys.executable, "-c", wrapper, *map(str, args)], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def error_line(proc, code, alone=False):
@@ -890,8 +892,7 @@ def cli_runs(tmp_path_factory, ref2, one):
     dirs["resume_pt"] = (pt_run, snapshot(pt_run))
     jobs["resume_pt"] = lambda: cli(cmd_args(pt_run, cache, R + VARIANTS["full"]))
     jobs["init_pt"] = lambda: cli(cmd_args(tmp / "init_pt", cache, ["--init-from", model_pt]))
-    jobs["sample_pt"] = lambda: subprocess.run([sys.executable, "sample.py", "--ckpt", pt_run], cwd=ROOT,
-                                               env=clean_env(), capture_output=True, text=True, timeout=300)
+    jobs["sample_pt"] = lambda: script_runner.run("sample.py", ["--ckpt", pt_run], ROOT, clean_env())
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}

@@ -8,9 +8,9 @@ Product rules under test:
   (--preset, --size) > default;
 - the resolved config is saved as config.json in the run directory.
 
-Part A calls parse_config/check_config in-process (fast). Part B runs the real CLI as subprocesses; the
-subprocesses that need no earlier result are run by one module fixture, a few at a time, so their torch
-imports (~2.5 s of CPU each) overlap where there are cores to spare.
+Part A calls parse_config/check_config in-process (fast). Part B runs the real CLI, each command in a
+process of its own forked from one that imported torch already (tests/script_runner.py); the commands
+that need no earlier result are run by one module fixture, a few at a time.
 """
 
 import concurrent.futures
@@ -19,12 +19,12 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import script_runner
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -410,8 +410,7 @@ def cli_env():
 
 
 def run_cli(args, timeout=180):
-    return subprocess.run([sys.executable, "train_fsdp.py", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, env=cli_env(), timeout=timeout)
+    return script_runner.run("train_fsdp.py", args, REPO, cli_env(), timeout)
 
 
 def error_line(proc):

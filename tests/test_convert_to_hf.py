@@ -24,6 +24,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import convert_to_hf  # noqa: E402
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
@@ -87,8 +89,8 @@ def project_model(ckpt):
     """The reference: this project's model from the checkpoint's consolidated model.pt, written
     by the trainer's own --export where the step has none (after convert_to_hf.py read the shards)."""
     if not os.path.exists(os.path.join(ckpt, "model.pt")):
-        subprocess.run([sys.executable, "train_fsdp.py", "--export", ckpt], cwd=ROOT, env=clean_env(), check=True,
-                       capture_output=True, timeout=300)
+        exported = script_runner.run("train_fsdp.py", ["--export", ckpt], ROOT, clean_env())
+        assert exported.returncode == 0, exported.stderr[-3000:]
     return sample.load_model(ckpt, "cpu")
 
 

@@ -12,12 +12,12 @@ Equal losses alone cannot show a gradient of the wrong scale: clipping at 1.0 is
 these runs (gradient norms 4-7) and AdamW is invariant to the gradient's scale, so the
 equivalence tests also compare the logged (pre-clipping) gradient norm of every step.
 """
+import concurrent.futures
 import itertools
 import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +25,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import script_runner  # noqa: E402
+
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 
@@ -66,15 +68,17 @@ def launch(tmp_path, nproc, runs, tag, record=False):
         spec[name] = TINY + ["--out-dir", out[name], "--cache-dir", str(tmp_path / "cache")] + extra
     spec_file = tmp_path / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "dist_driver.py"), str(spec_file)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", "0", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"] + cmd[1:]
     env = clean_env()
     if record:
         env["RECORD_COMMS"] = "1"
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    # The ranks as srun starts them (no torchrun), each forked from a process that imported torch already.
+    store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
+    ranks = [dict(env, **rendezvous, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                  LOCAL_WORLD_SIZE=str(nproc)) if nproc > 1 else env for r in range(nproc)]
+    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
+        procs = list(pool.map(lambda e: script_runner.run("tests/dist_driver.py", [spec_file], ROOT, e, 600), ranks))
+    for rank, res in enumerate(procs):
+        assert res.returncode == 0, f"rank {rank}: " + res.stdout[-3000:] + res.stderr[-5000:]
     results = {}
     for name, run_dir in out.items():
         with open(os.path.join(run_dir, "metrics.jsonl")) as fh:

@@ -1,7 +1,6 @@
 """KV-cache generation, reproducible sampling, sample.py and the demonstration's parser."""
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import script_runner  # noqa: E402
+
 import model as M  # noqa: E402
 import sample  # noqa: E402
 
@@ -95,14 +96,15 @@ def test_block_parser():
 def test_sample_cli_and_demo_on_a_saved_run(tmp_path):
     """Train 3 steps, then sample.py decodes from the checkpoint and --demo writes its files."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM_"))}
+    env["OMP_NUM_THREADS"] = "1"
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "train_fsdp.py", "--strategy", "none", "--n-layer", "2", "--d-model", "32",
-                    "--n-head", "2", "--latent-bits", "4", "--max-steps", "3", "--global-batch", "8",
-                    "--param-dtype", "fp32", "--eval-samples", "8", "--out-dir", str(run)],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
-    res = subprocess.run([sys.executable, "sample.py", "--ckpt", str(run), "--num-samples", "3", "--fixed-z",
-                          "--prompt", "K>", "--max-new-tokens", "10"], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
+    trained = script_runner.run("train_fsdp.py", ["--strategy", "none", "--n-layer", "2", "--d-model", "32",
+                                                  "--n-head", "2", "--latent-bits", "4", "--max-steps", "3",
+                                                  "--global-batch", "8", "--param-dtype", "fp32", "--eval-samples",
+                                                  "8", "--out-dir", run], ROOT, env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    res = script_runner.run("sample.py", ["--ckpt", run, "--num-samples", "3", "--fixed-z", "--prompt", "K>",
+                                          "--max-new-tokens", "10"], ROOT, env)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("'K>") for line in lines)
@@ -111,8 +113,7 @@ def test_sample_cli_and_demo_on_a_saved_run(tmp_path):
     assert all(0 <= summary[k]["same_noise_share"] <= 1 for k in ("fixed_z", "fresh_z"))
     assert 0 <= summary["fresh_z"]["start_entropy"] <= summary["uniform_start_entropy"] == math.log(57)
     assert (run / "demo_samples.txt").read_text().count("[fixed_z") == 8 * 8
-    bad = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tmp_path / "nope")], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
+    bad = script_runner.run("sample.py", ["--ckpt", tmp_path / "nope"], ROOT, env)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ")
 
 

@@ -25,6 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_checkpoint import (  # noqa: E402
@@ -172,8 +174,7 @@ def test_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_
     train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000003"))
     killed = dict(zip(loss_steps(run_dir), losses_of(run_dir)))
 
-    proc = subprocess.run([sys.executable, "train_fsdp.py", *map(str, args)], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = script_runner.run("train_fsdp.py", args, ROOT, clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert resumed_step(run_dir) == 3
     resumed = dict(zip(loss_steps(run_dir), losses_of(run_dir)))
@@ -210,9 +211,8 @@ def test_failed_background_write_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_async_save_needs_sharded_checkpoints(tmp_path):
-    proc = subprocess.run([sys.executable, "train_fsdp.py", "--async-save", "--checkpoint-type", "full",
-                           "--out-dir", str(tmp_path / "run")], cwd=ROOT, env=clean_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = script_runner.run("train_fsdp.py", ["--async-save", "--checkpoint-type", "full", "--out-dir",
+                                               tmp_path / "run"], ROOT, clean_env())
     assert proc.returncode == train_fsdp.EXIT_BAD_INPUT
     assert proc.stderr.strip() == ("error: --async-save needs --checkpoint-type sharded (a full checkpoint is one "
                                    "file that rank 0 writes with torch.save)")

@@ -10,6 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 from test_distributed import TINY, assert_same, clean_env, launch, rank0_share, rendezvous_store  # noqa: E402
 
 
@@ -92,7 +94,6 @@ def test_srun_style_launch_without_torchrun(tmp_path, reference):
     assert "world 2" in (run_dir / "training_log.txt").read_text()
     env = clean_env()
     env.update(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0")
-    alone = subprocess.run([sys.executable, "train_fsdp.py", *TINY, "--max-steps", "1", "--out-dir",
-                            str(tmp_path / "alone")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    alone = script_runner.run("train_fsdp.py", [*TINY, "--max-steps", "1", "--out-dir", tmp_path / "alone"], ROOT, env)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert "world 1" in (tmp_path / "alone" / "training_log.txt").read_text()

@@ -13,6 +13,8 @@ import unicodedata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import script_runner  # noqa: E402
+
 import train_fsdp  # noqa: E402
 
 
@@ -49,8 +51,9 @@ def test_settings_table_lists_every_field_with_its_default():
 def test_configuration_page_has_every_flag_of_help_and_no_other():
     """Every flag `python train_fsdp.py --help` prints has a row (a boolean's --no- form aside;
     --config and --export are described in the text), and every row is a flag it prints."""
-    helped = set(re.findall(FLAG, subprocess.run([sys.executable, "train_fsdp.py", "--help"], cwd=ROOT,
-                                                 capture_output=True, text=True, check=True).stdout))
+    helped = script_runner.run("train_fsdp.py", ["--help"], ROOT, dict(os.environ, OMP_NUM_THREADS="1"))
+    assert helped.returncode == 0, helped.stderr
+    helped = set(re.findall(FLAG, helped.stdout))
     helped -= {"--help"} | {f for f in helped if f.startswith("--no-") and "--" + f[5:] in helped}
     rows = set(re.findall(r"^\| `(--[a-z][a-z0-9-]*)` \|", CONFIGURATION, re.M))
     assert helped - rows == {"--config", "--export"}

@@ -29,6 +29,8 @@ import torch.nn as nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import train_fsdp  # noqa: E402
 from test_checkpoint import cli, error_line, snapshot  # noqa: E402
 from test_distributed import TINY, clean_env, rendezvous_store  # noqa: E402
@@ -124,8 +126,7 @@ def own(repo, model, args):
     """python own.py --config run.toml ARGS in the throwaway repo, with MODEL=model."""
     env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
     env["MODEL"] = model
-    return subprocess.run([sys.executable, "own.py", "--config", "run.toml", *map(str, args)], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return script_runner.run("own.py", ["--config", "run.toml", *args], repo, env)
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +147,7 @@ def test_help_in_another_repo_points_at_the_users_script(repo, tmp_path):
     the user's script; that script's --help lists its flags and an unknown flag names it."""
     shutil.copy(os.path.join(ROOT, "train_fsdp.py"), tmp_path)
     env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "train_fsdp.py", "--help"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = script_runner.run("train_fsdp.py", ["--help"], tmp_path, env)
     assert res.returncode == train_fsdp.EXIT_BAD_INPUT and res.stdout == "", (res.stdout, res.stderr[-3000:])
     assert res.stderr == ("error: this project's model.py cannot be imported here (No module named 'model'): in your "
                           "own repo, run your script that calls train_fsdp.run(...) with your seams (its --help lists "
@@ -156,8 +156,7 @@ def test_help_in_another_repo_points_at_the_users_script(repo, tmp_path):
     # A repo with a model.py of its own (nanoGPT's layout): not this project's, the same line.
     (tmp_path / "model.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass GPTConfig:\n"
                                        "    n_layer: int = 2\n")
-    res = subprocess.run([sys.executable, "train_fsdp.py", "--help"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = script_runner.run("train_fsdp.py", ["--help"], tmp_path, env)
     assert res.returncode == train_fsdp.EXIT_BAD_INPUT and res.stderr == (
         "error: this project's model.py cannot be imported here (module 'model' has no attribute 'ModelConfig'): in "
         "your own repo, run your script that calls train_fsdp.run(...) with your seams (its --help lists its flags)\n")
@@ -314,8 +313,7 @@ def test_every_rank_says_its_error_before_the_process_group(tmp_path):
     under torchrun with 2 processes the line is there on every launch, whichever rank exits first."""
     store, rendezvous = rendezvous_store()
     env = {**clean_env(), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", **rendezvous}
-    res = subprocess.run([sys.executable, "train_fsdp.py", "--lr", "-1", "--out-dir", tmp_path / "one"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    res = script_runner.run("train_fsdp.py", ["--lr", "-1", "--out-dir", tmp_path / "one"], ROOT, env)
     assert error_line(res, train_fsdp.EXIT_BAD_INPUT, alone=True) == "error: --lr -1.0: must be > 0"
     cosine = "error: --lr-decay-steps 3: the cosine decay must end after the warmup (--warmup-steps 6); give a " \
              "larger step, or 0 for --max-steps"

@@ -3,7 +3,6 @@ gives every sample the same Z (also the demonstration's fixed Z), and prompt cha
 the tokenizer's vocabulary are named on one line instead of silently read as <unk>."""
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import model as M  # noqa: E402
 import sample  # noqa: E402
 from test_distributed import clean_env  # noqa: E402
@@ -26,11 +27,12 @@ def char_run(tmp_path_factory):
              for _ in range(400)]
     (tmp / "corpus.txt").write_text("\n".join(lines) + "\n")
     run = tmp / "run"
-    subprocess.run([sys.executable, "train_fsdp.py", "--strategy", "none", "--arch", "free", "--latent-bits", "4",
-                    "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--max-steps", "2", "--global-batch", "8",
-                    "--seq-len", "32", "--param-dtype", "fp32", "--eval-samples", "8", "--dataset",
-                    str(tmp / "corpus.txt"), "--tokenizer-type", "char", "--cache-dir", str(tmp / "cache"),
-                    "--out-dir", str(run)], cwd=ROOT, env=clean_env(), check=True, capture_output=True, timeout=300)
+    trained = script_runner.run("train_fsdp.py", [
+        "--strategy", "none", "--arch", "free", "--latent-bits", "4", "--n-layer", "2", "--d-model", "32", "--n-head",
+        "2", "--max-steps", "2", "--global-batch", "8", "--seq-len", "32", "--param-dtype", "fp32", "--eval-samples",
+        "8", "--dataset", tmp / "corpus.txt", "--tokenizer-type", "char", "--cache-dir", tmp / "cache", "--out-dir",
+        run], ROOT, clean_env())
+    assert trained.returncode == 0, trained.stderr[-3000:]
     return str(run)
 
 

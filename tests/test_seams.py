@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import script_runner  # noqa: E402
+
 import train_fsdp  # noqa: E402
 
 REPO_MODEL = '''
@@ -213,10 +215,10 @@ def write_repo(path):
 def launch(repo, args, nproc=1, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH="", **env_extra)
-    cmd = [sys.executable, "train.py", "--config", "run.toml", *map(str, args)]
-    if nproc > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-                    "--rdzv_endpoint", "localhost:0"]
+    if nproc == 1:  # forked from a process that imported torch already (tests/script_runner.py)
+        return script_runner.run("train.py", ["--config", "run.toml", *args], repo, env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "train.py", "--config", "run.toml", *map(str, args)]
     return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -268,8 +270,7 @@ def test_only_the_seams_settings_in_config_start_up_and_run_name(plain):
 def test_export_loads_into_the_repos_model(repo, plain):
     run_dir, _ = plain
     step4 = run_dir / "checkpoints" / "step_0000004"
-    res = subprocess.run([sys.executable, "train.py", "--export", str(step4)], cwd=repo, capture_output=True,
-                         text=True, timeout=120)
+    res = script_runner.run("train.py", ["--export", step4], repo, dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     model_lib, data_lib = repo_module(repo, "model"), repo_module(repo / "data", "tokens")
     for ckpt in (step4, run_dir / "checkpoints" / "step_0000008"):

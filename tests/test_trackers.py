@@ -14,6 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import script_runner  # noqa: E402
+
 import train_fsdp  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 
@@ -250,7 +252,7 @@ def test_missing_optional_packages_on_the_command_line(tmp_path):
     commands = {("train_fsdp.py", "--wandb", "p", "--out-dir", str(out)): "--wandb needs the wandb package",
                 ("sample.py", "--ckpt", str(out), "--demo", "--figure"): "--figure needs the matplotlib package"}
     for argv, message in commands.items():
-        res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        res = script_runner.run(argv[0], argv[1:], ROOT, env)
         assert res.returncode == 2 and res.stderr.startswith(f"error: {message}"), (argv, res.stderr)
         assert len(res.stderr.splitlines()) == 1 and res.stderr.rstrip().endswith(f"pip install {message.split()[3]}")
         assert not out.exists()

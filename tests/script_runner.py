@@ -1,0 +1,125 @@
+"""`python SCRIPT ARGS` for the suite's many short command lines, without starting Python and torch for
+each one. A server process imports torch and the distributed modules the trainer uses, once; each
+command runs in a child forked from it, as `python SCRIPT` runs: its own process, directory and
+environment, as __main__, with sys.argv, sys.path (the script's directory, PYTHONPATH, the
+installation's), the warning filters of PYTHONWARNINGS, atexit, and the exit status of the real thing
+(SystemExit's, os._exit's, 1 after a traceback, -N after signal N). The project's own modules are not
+preloaded: a child imports them from the script's directory, as a user's copy of the trainer does.
+
+For single-process commands whose environment differs from the server's only in variables read after
+start-up: OMP_NUM_THREADS is 1 (read when torch loads) and TORCH_LOGS unset. Signals to a process
+group, several ranks and torchrun keep real processes (subprocess).
+
+The server: python tests/script_runner.py SOCKET (one per test process, started on first use)."""
+import atexit
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.nn.parallel", "torch.utils.checkpoint",
+           "torch._dynamo", "torch.distributed.fsdp.sharded_grad_scaler", "sentencepiece", "tomllib", "tqdm"]
+_server, _lock = None, threading.Lock()
+
+
+def run(script, args, cwd, env, timeout=300):
+    """subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout), run by a child of the server."""
+    assert env.get("OMP_NUM_THREADS") == "1" and "TORCH_LOGS" not in env, "this command needs a real process"
+    args = [str(a) for a in args]
+    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        conn.connect(_socket_path())
+        conn.sendall(json.dumps([script, args, str(cwd), dict(env), out, err]).encode() + b"\n")
+        replies = conn.makefile()
+        pid = int(replies.readline())
+        conn.settimeout(timeout)
+        try:
+            code = int(replies.readline())
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired([script, *args], timeout) from None
+        with open(out) as fo, open(err) as fe:
+            return subprocess.CompletedProcess([sys.executable, script, *args], code, fo.read(), fe.read())
+
+
+def _socket_path():
+    global _server
+    with _lock:
+        if _server is None or _server[0].poll() is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="script_runner"), "socket")
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.pop("TORCH_LOGS", None)
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], stdout=subprocess.PIPE,
+                                    env=env, text=True)
+            assert proc.stdout.readline() == "ready\n", "the script server did not start"
+            atexit.register(proc.kill)
+            _server = (proc, path)
+        return _server[1]
+
+
+def _serve(path):
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers below are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:  # a handler: forks the command, sends its pid, waits for it and sends its status
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            request = json.loads(conn.makefile().readline())
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _command(*request)
+            conn.sendall(f"{pid}\n".encode())
+            _, status = os.waitpid(pid, 0)
+            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            os._exit(0)
+        conn.close()
+
+
+def _command(script, args, cwd, env, out, err):
+    os.setsid()  # its own session, as a process of its own; the server's stdout is not its
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((0, os.devnull), (1, out), (2, err)):
+        f = os.open(name, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    warnings.resetwarnings()
+    sys.warnoptions[:] = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
+    warnings._processoptions(sys.warnoptions)
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[:] = [os.path.dirname(path), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+                   *(p for p in sys.path[1:] if p.startswith((sys.prefix, sys.base_prefix)))]
+    code = 0
+    try:
+        import runpy
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
