@@ -34,6 +34,8 @@ TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endp
 PIP_FLAGS = {"--index-url"}
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
 PYTEST_FLAGS = {"--dist"}  # make test: pytest-xdist's
+with open(os.path.join(ROOT, "tools", "mutants.py")) as fh:  # make mutants' MUTANTS_ARGS
+    MUTANTS_FLAGS = set(re.findall(r'add_argument\("(--[a-z-]+)"', fh.read()))
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
                 "--prompt-z", "--fixed-z", "--demo", "--figure", "--device"}
 TENSORBOARD_FLAGS = {"--logdir", "--port"}
@@ -67,7 +69,7 @@ def test_every_flag_in_the_readme_and_docs_exists():
     parser_flags = {a for p in (train_fsdp.build_arg_parser(), bench.build_arg_parser())
                     for action in p._actions for a in action.option_strings}
     known = (parser_flags | TORCHRUN_FLAGS | SAMPLE_FLAGS | SBATCH_FLAGS | PIP_FLAGS | LM_EVAL_FLAGS |
-             TENSORBOARD_FLAGS | PYTEST_FLAGS)
+             TENSORBOARD_FLAGS | PYTEST_FLAGS | MUTANTS_FLAGS)
     for path, text in DOCS.items():
         assert set(re.findall(FLAG, text)) - known == set(), path
 
