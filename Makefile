@@ -62,9 +62,10 @@ SUITE ?= single
 bench:
 	$(PYTHON) bench.py --suite $(SUITE) $(BENCH_ARGS)
 
-# Two workers (pytest-xdist), each test file on one of them, so that its module fixtures run once.
+# Two workers (pytest-xdist), each test file on one of them, so that its module fixtures run once; the longest
+# files first (tests/conftest.py).
 test:
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # ruff's settings are in pyproject.toml; CI runs this before the tests.
 lint:

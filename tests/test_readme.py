@@ -33,7 +33,7 @@ SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue",
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
 PIP_FLAGS = {"--index-url"}
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
-PYTEST_FLAGS = {"--dist"}  # make test: pytest-xdist's
+PYTEST_FLAGS = {"--dist", "--no-loadscope-reorder"}  # make test: pytest-xdist's
 with open(os.path.join(ROOT, "tools", "mutants.py")) as fh:  # make mutants' MUTANTS_ARGS
     MUTANTS_FLAGS = set(re.findall(r'add_argument\("(--[a-z-]+)"', fh.read()))
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
