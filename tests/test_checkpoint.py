@@ -40,7 +40,7 @@ import script_runner  # noqa: E402
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_distributed import TINY, assert_same, clean_env, launch, rendezvous_store  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch, rank_envs  # noqa: E402
 
 R = ["--max-steps", "10", "--save-every", "3", "--keep-checkpoints", "4"]  # checkpoints 3, 6, 9, 10
 VARIANTS = {  # test 1: every one resumed at the same world size must be bit-identical
@@ -254,12 +254,8 @@ class Workers:
 
     def __init__(self, nproc, args, log_prefix, script="train_fsdp.py"):
         self.procs, self.logs = [], []
-        self.store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
-        for rank in range(nproc):
-            env = clean_env()
-            if nproc > 1:
-                env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                           LOCAL_WORLD_SIZE=str(nproc), **rendezvous)
+        self.store, envs = rank_envs(nproc)
+        for rank, env in enumerate(envs):
             out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
             self.logs.append((out, err))
             # One new process group (led by rank 0, same session: a process may only join a group

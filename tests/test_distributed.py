@@ -59,6 +59,17 @@ def rendezvous_store():
     return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
+def rank_envs(nproc):
+    """The environments of nproc ranks started without torchrun, as srun starts them (clean_env() with RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and the rendezvous; one process: clean_env() alone). Returns the
+    rendezvous store (None for one process), to keep until the ranks exit, and the environments."""
+    if nproc == 1:
+        return None, [clean_env()]
+    store, rendezvous = rendezvous_store()
+    return store, [dict(clean_env(), **rendezvous, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                        LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
+
+
 def launch(tmp_path, nproc, runs, tag, record=False):
     """Run {name: extra args} in one launch; return {name: (per-step losses, final val dict,
     run dir)}. `record`: each rank also writes comms_rank{r}.json into the run dir (comms())."""
@@ -68,13 +79,11 @@ def launch(tmp_path, nproc, runs, tag, record=False):
         spec[name] = TINY + ["--out-dir", out[name], "--cache-dir", str(tmp_path / "cache")] + extra
     spec_file = tmp_path / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
-    env = clean_env()
-    if record:
-        env["RECORD_COMMS"] = "1"
     # The ranks as srun starts them (no torchrun), each forked from a process that imported torch already.
-    store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
-    ranks = [dict(env, **rendezvous, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                  LOCAL_WORLD_SIZE=str(nproc)) if nproc > 1 else env for r in range(nproc)]
+    store, ranks = rank_envs(nproc)
+    if record:
+        for env in ranks:
+            env["RECORD_COMMS"] = "1"
     with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
         procs = list(pool.map(lambda e: script_runner.run("tests/dist_driver.py", [spec_file], ROOT, e, 600), ranks))
     for rank, res in enumerate(procs):

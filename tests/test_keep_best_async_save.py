@@ -38,7 +38,7 @@ from test_checkpoint import (  # noqa: E402
     records,
     resumed_step,
 )
-from test_distributed import TINY, clean_env, rendezvous_store  # noqa: E402
+from test_distributed import TINY, clean_env, rank_envs  # noqa: E402
 
 THIS = os.path.abspath(__file__)
 ASYNC = ["--max-steps", "8", "--save-every", "1", "--async-save", "--eval-every", "0"]
@@ -125,12 +125,8 @@ def writer_run(mode, args, log_prefix, nproc=1):
     new process group; returns the Popen objects, their (stdout, stderr) paths and the rendezvous
     store (kept until they exit)."""
     procs, logs = [], []
-    store, rendezvous = rendezvous_store() if nproc > 1 else (None, {})
-    for rank in range(nproc):
-        env = clean_env()
-        if nproc > 1:
-            env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                       **rendezvous)
+    store, envs = rank_envs(nproc)
+    for rank, env in enumerate(envs):
         out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
         logs.append((out, err))
         with open(out, "w") as fo, open(err, "w") as fe:
