@@ -15,6 +15,8 @@ import atexit
 import importlib
 import json
 import os
+import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,13 +56,15 @@ def _socket_path():
     global _server
     with _lock:
         if _server is None or _server[0].poll() is not None:
-            path = os.path.join(tempfile.mkdtemp(prefix="script_runner"), "socket")
+            folder = tempfile.mkdtemp(prefix="script_runner")
+            path = os.path.join(folder, "socket")
             env = dict(os.environ, OMP_NUM_THREADS="1")
             env.pop("TORCH_LOGS", None)
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], stdout=subprocess.PIPE,
                                     env=env, text=True)
             assert proc.stdout.readline() == "ready\n", "the script server did not start"
-            atexit.register(proc.kill)
+            atexit.register(shutil.rmtree, folder, True)
+            atexit.register(proc.kill)  # runs first
             _server = (proc, path)
         return _server[1]
 
@@ -108,7 +112,6 @@ def _command(script, args, cwd, env, out, err):
                    *(p for p in sys.path[1:] if p.startswith((sys.prefix, sys.base_prefix)))]
     code = 0
     try:
-        import runpy
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
