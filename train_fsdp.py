@@ -210,8 +210,7 @@ PRESETS = {
                                  "forward_prefetch": True, "limit_all_gathers": True}},
     "large_scale_fsdp": {"train": {"strategy": "fsdp"},
                          "fsdp": {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE",
-                                  "limit_all_gathers": True, "activation_checkpointing": True,
-                                  "meta_init": True}},
+                                  "limit_all_gathers": True, "activation_checkpointing": True, "meta_init": True}},
     "ddp": {"train": {"strategy": "ddp"}},
 }
 
@@ -439,6 +438,8 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     if compiles_in_place(cfg):
         for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
             b.forward = torch.compile(b.forward, mode=mode)
+    elif cfg.train.compile and strategy == "fsdp":  # in place too: dynamo would trace FSDP1's own forward,
+        model.forward = torch.compile(model.forward, mode=mode)  # dozens of frames, each guarded every step
     if f.activation_checkpointing:  # non-reentrant: the reentrant one fires FSDP's post-backward hooks twice
         for b in blocks[::f.ac_every]:  # the module tree and its names stay
             b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
@@ -457,7 +458,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
             # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True)
-    if cfg.train.compile and not regional:
+    if cfg.train.compile and not regional and strategy != "fsdp":
         model = torch.compile(model, mode=mode)
     return model
 
@@ -910,8 +911,7 @@ class NonFinite:
 # main: one run, in the order of the file
 
 
-def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None,
-         data_config=None):
+def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None, data_config=None):
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
