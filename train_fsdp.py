@@ -148,7 +148,7 @@ class TrainConfig:
     out_dir: str = opt("", "run directory; empty = runs/<model class>-<date-time>")
     overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
     compile: bool = opt(False, "torch.compile the model (see --compile-scope) and the loss")
-    compile_scope: str = opt("model", "what --compile compiles: model (the wrapped model) or blocks (each in place)",
+    compile_scope: str = opt("model", "what --compile compiles: model (the whole model) or blocks (each in place)",
                              ["model", "blocks"])
     compile_mode: str = opt("auto", "torch.compile mode: auto (reduce-overhead under 100M parameters, else default)",
                             ["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
