@@ -3,8 +3,8 @@
 # each and tabulate them (the use of Z in BENCHMARKS.md).
 #   bash tools/latent_confirm.sh JOBS OUTDIR
 # JOBS: a file (- for standard input) of "NAME trainer flags..." per line (BENCHMARKS.md gives each
-# study's list as the command that ran it); every run uses configs/synthetic.toml, one process,
-# bf16 and --compile. OUTDIR gets summary.md and metrics.jsonl (every run's records, named).
+# study's list as the command that ran it); every run uses configs/synthetic.toml with 64 rows a
+# step (the studies' batch; the quick start trains 48), one process, bf16 and --compile. OUTDIR gets summary.md and metrics.jsonl (every run's records, named).
 set -uo pipefail
 jobs_file=$1 out=$2
 [[ "$jobs_file" == - ]] && jobs_file=/dev/stdin
@@ -16,7 +16,7 @@ while read -r name args; do
     names+=("$runs/$name")
     # shellcheck disable=SC2086
     ( OMP_NUM_THREADS=1 python3 train_fsdp.py --config configs/synthetic.toml --strategy none --param-dtype bf16 \
-        --compile --log-every 250 --eval-every 250 --out-dir "$runs/$name" --overwrite $args \
+        --global-batch 64 --compile --log-every 250 --eval-every 250 --out-dir "$runs/$name" --overwrite $args \
         >"$runs/$name.log" 2>&1 && python3 sample.py --ckpt "$runs/$name" --demo >>"$runs/$name.log" 2>&1 \
         || echo "FAILED: $name (tail of $runs/$name.log)" && tail -n 3 "$runs/$name.log" ) </dev/null &
 done <"$jobs_file"
