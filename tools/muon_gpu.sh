@@ -7,8 +7,8 @@
 #            (tools/first_result.py: seconds and steps to validation <= 1.50 and 1.47, best validation).
 #   latent   the Free Transformer 6 x 384 on the synthetic task (H = 8 and 16), 4,000 steps, AdamW and Muon
 #            side by side on one GPU, then sample.py --demo (tools/latent_confirm.sh).
-#   cost     (CORPUS unused: /dev/null) the 1b model's step under fsdp2 (tools/speed_gpu.sh's 1b flags, 12 x 4 rows a step), AdamW against
-#            Muon, on one GPU and then on every GPU (tools/startup_bench.py).
+#   cost     (CORPUS unused: /dev/null) the 1b model's step under fsdp2 (tools/speed_gpu.sh's 1b flags, 12 x 4 rows a step;
+#            ROWS=N rows, in micro-batches of 12), AdamW against Muon, on one GPU and then on every GPU (tools/startup_bench.py).
 set -uo pipefail
 CORPUS=$1; R=$2; shift 2; mkdir -p "$R"; W=/tmp/muon; rm -rf $W; mkdir -p $W
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=$W/pyc PYTHONUNBUFFERED=1
@@ -18,7 +18,7 @@ SMALL="--dataset $CORPUS --tokenizer-type char --tokenizer-vocab-size 256 --val-
  --warmup-steps 100 --lr-decay-steps 5000 --eval-every 250 --eval-samples 512 --log-every 50 --no-save-final \
  --compile --overwrite --strategy none --cache-dir $W/data --out-dir $W/runs/r"
 ONE="--size 1b --arch baseline --meta-init --no-tie-embeddings --dataset random --tokenizer-vocab-size 32000 \
- --seq-len 2048 --micro-batch 12 --global-batch 48 --max-steps 10 --log-every 1 --eval-every 0 --eval-samples 8 \
+ --seq-len 2048 --micro-batch 12 --global-batch ${ROWS:-48} --max-steps 10 --log-every 1 --eval-every 0 --eval-samples 8 \
  --no-save-final --warmup-steps 2 --lr 3e-4 --compile --overwrite --strategy fsdp2 --out-dir $W/a"
 NGPU=$(nvidia-smi -L | grep -c GPU)
 
