@@ -12,6 +12,7 @@ import script_runner  # noqa: E402
 
 import model as M  # noqa: E402
 import sample  # noqa: E402
+from test_distributed import clean_env  # noqa: E402
 
 
 def tiny(arch, **kw):
@@ -95,8 +96,7 @@ def test_block_parser():
 
 def test_sample_cli_and_demo_on_a_saved_run(tmp_path):
     """Train 3 steps, then sample.py decodes from the checkpoint and --demo writes its files."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "SLURM_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env()
     run = tmp_path / "run"
     trained = script_runner.run("train_fsdp.py", ["--strategy", "none", "--n-layer", "2", "--d-model", "32",
                                                   "--n-head", "2", "--latent-bits", "4", "--max-steps", "3",
