@@ -29,6 +29,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "slurm_submit.sh")
+# The states of a job that has ended for good (a requeued job passes through REQUEUED and PENDING instead).
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED")
 DAEMONS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo"]
 TINY = ["--arch", "baseline", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--param-dtype", "fp32",
         "--eval-samples", "8", "--log-every", "1"]
@@ -175,14 +178,16 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if res.returncode or not res.stdout.strip():
                 break
             time.sleep(0.5)
-        for name, pid_file in reversed(self.started):
+        pids = []
+        for name, pid_file in reversed(self.started):  # all told at once, then waited for
             try:
                 with open(pid_file) as fh:
-                    pid = int(fh.read().split()[0])
+                    pids.append(int(fh.read().split()[0]))
+                os.kill(pids[-1], signal.SIGTERM)
             except (OSError, ValueError, IndexError):
                 continue
+        for pid in pids:
             try:
-                os.kill(pid, signal.SIGTERM)
                 for _ in range(100):
                     os.kill(pid, 0)
                     time.sleep(0.1)
@@ -191,16 +196,26 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 pass
         self.started = []
 
-    def sbatch(self, tmp, name, variables, trainer_args, wait=True):
+    def sbatch(self, tmp, name, variables, trainer_args):
         """Submit slurm_submit.sh as the README does, on CPU: no GPU request, all the node's CPUs
-        in the one task. Returns the Popen of `sbatch --wait`, whose first output line is the job id."""
+        in the one task. Returns the job id."""
         exports = {"CPU_PROCS_PER_NODE": "2", "OMP_NUM_THREADS": "1", **variables}
         cmd = ["sbatch", "--parsable", f"--chdir={ROOT}", f"--job-name={name}", f"--output={tmp}/{name}.out",
                f"--error={tmp}/{name}.err", "--gpus-per-node=0", f"--cpus-per-task={self.cpus}", "--time=15",
                "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items())]
-        cmd += ["--wait"] if wait else []
-        return subprocess.Popen(cmd + [SCRIPT] + trainer_args, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        job = self.run(*cmd, SCRIPT, *trainer_args).strip().split(";")[0]
+        assert job.isdigit(), f"sbatch said {job!r}"
+        return job
+
+    def wait(self, job, timeout):
+        """The exit code of the job once it has ended (a requeued one runs again first), None at the timeout.
+        Polled here: sbatch --wait polls at 2, 8, then 32 s intervals, which left the suite waiting."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.job_field(job, "JobState") in ENDED:
+                return int(self.job_field(job, "ExitCode").split(":")[0])
+            time.sleep(0.2)
+        return None
 
     def job_field(self, job, field):
         out = self.run("scontrol", "show", "job", str(job), "-o")
@@ -242,16 +257,14 @@ def job_files(tmp, name):
     return text
 
 
-def finish(proc, cluster, tmp, name, timeout):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+def finish(job, cluster, tmp, name, timeout):
+    code = cluster.wait(job, timeout)
+    if code is None:
+        cluster.run("scancel", job, check=False)
     files = job_files(tmp, name)
-    report = (f"sbatch exit {proc.returncode}\nsbatch: {stdout}{stderr}\n--- {name}.out\n{files['out'][-4000:]}\n"
+    report = (f"job {job}: exit code {code}\n--- {name}.out\n{files['out'][-4000:]}\n"
               f"--- {name}.err\n{files['err'][-4000:]}\n{cluster.logs()}")
-    return proc.returncode, files, report
+    return code, files, report
 
 
 def direct_run(tmp, name, nproc, args):
@@ -280,15 +293,16 @@ def assert_same_losses(got, ref, rel):
 
 
 def test_cpu_job_trains_like_a_direct_run(cluster, tmp_path):
-    tmp, cache = str(tmp_path), str(tmp_path / "cache")
-    args = TINY + ["--max-steps", "6", "--cache-dir", cache]
-    # Build the data cache first, so the two runs below do not both write it.
-    ref_dir, ref = direct_run(tmp, "direct", 1, args + ["--strategy", "none", "--global-batch", "8"])
-    wait_direct(ref)
+    tmp = str(tmp_path)
+    args = TINY + ["--max-steps", "6"]
+    # The reference trains beside the job (each with its own data cache): Slurm's start-up leaves the CPU idle.
+    ref_dir, ref = direct_run(tmp, "direct", 1, args + ["--strategy", "none", "--global-batch", "8", "--cache-dir",
+                                                        str(tmp_path / "cache-direct")])
     run_dir = os.path.join(tmp, "run")
     job = cluster.sbatch(tmp, "train", {"TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "4", "RUN_DIR": run_dir},
-                         args)
+                         args + ["--cache-dir", str(tmp_path / "cache")])
     code, files, report = finish(job, cluster, tmp, "train", timeout=180)
+    wait_direct(ref)
     assert code == 0, report
     out = files["out"]
     assert "no GPU on this node: 2 CPU processes per node with gloo" in out, report
@@ -299,30 +313,30 @@ def test_cpu_job_trains_like_a_direct_run(cluster, tmp_path):
 
 
 def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
-    tmp, cache = str(tmp_path), str(tmp_path / "cache")
-    args = TINY + ["--max-steps", "200", "--save-every", "10", "--cache-dir", cache]
-    # uninterrupted, same world size and batch layout
-    ref_dir, ref = direct_run(tmp, "direct", 2, args + ["--global-batch", "8", "--micro-batch", "4"])
-    wait_direct(ref)
+    tmp = str(tmp_path)
+    args = TINY + ["--max-steps", "100", "--save-every", "10"]
+    # uninterrupted, same world size and batch layout, beside the job (each with its own data cache)
+    ref_dir, ref = direct_run(tmp, "direct", 2, args + ["--global-batch", "8", "--micro-batch", "4", "--cache-dir",
+                                                        str(tmp_path / "cache-direct")])
     run_dir = os.path.join(tmp, "run")
-    job = cluster.sbatch(tmp, "preempt", {"TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "4",
-                                          "RUN_DIR": run_dir}, args)
-    job_id = job.stdout.readline().strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch said {job_id!r}"
+    job_id = cluster.sbatch(tmp, "preempt", {"TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "4",
+                                             "RUN_DIR": run_dir}, args + ["--cache-dir", str(tmp_path / "cache")])
 
     # Stop it once it has trained a few steps, as Slurm does before the time limit.
     metrics, deadline, steps = os.path.join(run_dir, "metrics.jsonl"), time.time() + 120, 0
-    while time.time() < deadline and job.poll() is None:
+    while time.time() < deadline and cluster.job_field(job_id, "JobState") not in ENDED:
         if os.path.exists(metrics):
             with open(metrics) as fh:
                 steps = sum(1 for _ in fh)
             if steps >= 10:
                 break
         time.sleep(0.2)
-    assert steps >= 10 and job.poll() is None, finish(job, cluster, tmp, "preempt", 5)[2]
+    running = cluster.job_field(job_id, "JobState") == "RUNNING"
+    assert steps >= 10 and running, finish(job_id, cluster, tmp, "preempt", 5)[2]
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster.env, check=True)
 
-    code, files, report = finish(job, cluster, tmp, "preempt", timeout=180)
+    code, files, report = finish(job_id, cluster, tmp, "preempt", timeout=180)
+    wait_direct(ref)
     assert code == 0, report
     out = files["out"]
     assert "SIGUSR1: asking the trainer to save and stop" in out, report
@@ -335,7 +349,7 @@ def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
         log = fh.read()
     assert "resumed from" in log, report + log
     stopped = int(log.split("resumed from")[1].split("(step ")[1].split(",")[0])
-    assert 10 <= stopped < 200, log
+    assert 10 <= stopped < 100, log
     # the checkpoint it resumed from is the one saved on the signal (rank 0's line in the .err file)
     assert f"signal SIGTERM at step {stopped}: checkpoint saved, exiting with code 3" in files["err"], report
     # a clean stop: the trainer's stopped.json was there, so no "without saving" line
@@ -343,7 +357,7 @@ def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
     got, want = read_metrics(run_dir), read_metrics(ref_dir)
     assert_same_losses(got, want, rel=1e-6)
     print(f"\nstopped at step {stopped}, resumed after requeue; losses after it match the uninterrupted run "
-          f"(step 200: {got[200]:.6f} vs {want[200]:.6f})")
+          f"(step 100: {got[100]:.6f} vs {want[100]:.6f})")
 
 
 def test_batch_that_does_not_divide_fails_early(cluster, tmp_path):
