@@ -22,11 +22,14 @@ TINY = ["--arch", "baseline", "--n-layer", "1", "--d-model", "32", "--n-head", "
 CACHE_LINE = re.compile(r"compile cache (\S+): (\d+) graphs reused, (\d+) compiled")
 
 
-def train(run_dir, tmp, extra=()):
-    """One launch with dynamo's recompilations logged (TORCH_LOGS=recompiles) and its own TMPDIR."""
-    os.makedirs(tmp, exist_ok=True)
+def train(run_dir, tmp=None, extra=()):
+    """One launch with dynamo's recompilations logged (TORCH_LOGS=recompiles), in TMPDIR tmp (None: this one's,
+    where the suite's other compiles left inductor's precompiled C++ header)."""
     env = {k: v for k, v in clean_env().items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    env.update(TORCH_LOGS="recompiles", TMPDIR=str(tmp))
+    env.update(TORCH_LOGS="recompiles")
+    if tmp:
+        os.makedirs(tmp, exist_ok=True)
+        env.update(TMPDIR=str(tmp))
     res = subprocess.run([sys.executable, "train_fsdp.py", *TINY, "--out-dir", str(run_dir), *extra], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -40,14 +43,14 @@ def train(run_dir, tmp, extra=()):
 
 def test_evaluation_compiles_nothing_and_a_resume_reuses_the_compile_cache(tmp_path):
     run_dir = tmp_path / "a"
-    cache, reused, compiled = train(run_dir, tmp_path / "tmp1", ["--max-steps", "2"])
+    cache, reused, compiled = train(run_dir, None, ["--max-steps", "2"])
     assert cache == str(tmp_path / ".compile_cache") and os.path.isdir(cache)
     assert reused == 0 and compiled >= 2  # forward and backward at least
-    again = train(run_dir, tmp_path / "tmp2", ["--max-steps", "4"])  # resumed from step 2, another TMPDIR
+    again = train(run_dir, tmp_path / "tmp", ["--max-steps", "4"])  # resumed from step 2, another TMPDIR
     assert again == (cache, compiled, 0)
     # Another model beside it (one more block: the same kernels, another graph) shares the cache and compiles
     # its own graphs (the loss's may be reused).
-    other = train(tmp_path / "b", tmp_path / "tmp3", ["--max-steps", "1", "--n-layer", "2"])
+    other = train(tmp_path / "b", None, ["--max-steps", "1", "--n-layer", "2"])
     assert other[0] == cache and other[2] >= 2
 
     # The logged validation loss of step 4 is the uncompiled model's, to fp32 rounding.

@@ -15,10 +15,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import model as model_lib  # noqa: E402
 from test_distributed import FREE, VAL_ROWS, launch  # noqa: E402
 
-# 11 validation rows against micro-batches of 8 (one process) or 4 (two): the last validation
-# batch is ragged, so dynamo recompiles the model with a symbolic batch size.
-COMPILED = FREE + ["--compile", "--max-steps", "4", "--eval-samples", str(VAL_ROWS), "--eval-every", "2",
-                   "--log-every", "2"]
+# 11 validation rows against micro-batches of 4: the last validation batch is ragged (on two processes rank 1 has
+# none left and runs a dummy row). The same micro-batch on one process and two: the second reuses the compiled graphs.
+COMPILED = FREE + ["--compile", "--max-steps", "4", "--micro-batch", "4", "--eval-samples", str(VAL_ROWS),
+                   "--eval-every", "2", "--log-every", "2"]
 
 
 def val_records(run_dir):
@@ -49,8 +49,9 @@ def test_compiled_free_transformer_evaluates_ragged_batches_on_one_process(one):
 
 
 def test_compiled_free_transformer_evaluates_ragged_batches_under_fsdp_on_two_processes(tmp_path):
-    """(Each compiled run costs ~20 s of CPU: fsdp2 compiles the same blocks, not repeated here.)"""
-    check_evaluations(launch(tmp_path, 2, {"fsdp": COMPILED}, "free2")["fsdp"][2])
+    """The root FSDP's one unit (--auto-wrap auto, the default at this size): the forward compiled in place is the
+    whole model's, whose graphs the one-process run compiled already."""
+    check_evaluations(launch(tmp_path, 2, {"fsdp": COMPILED + ["--auto-wrap", "auto"]}, "free2")["fsdp"][2])
 
 
 def test_keep_best_ranks_free_transformer_checkpoints_by_the_bound(one):
