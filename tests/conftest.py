@@ -9,10 +9,11 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdi
 # make test's two workers (pytest-xdist, a file each, --no-loadscope-reorder) take the files in this order, the
 # longest first, so that neither is left running a long one alone at the end (xdist's default order, by number of
 # tests, puts the single 90-second tests last).
-LONGEST_FIRST = ["test_checkpoint.py", "test_free_training.py", "test_slurm.py", "test_compile_cache.py",
-                 "test_distributed.py", "test_reliability_trainer.py", "test_free_eval.py", "test_train_misc.py",
-                 "test_hostile.py", "test_seams.py", "test_multinode.py", "test_model.py", "test_generate.py",
-                 "test_config.py", "test_muon.py", "test_trackers.py", "test_fsdp2.py"]
+LONGEST_FIRST = ["test_checkpoint.py", "test_free_eval.py", "test_free_training.py", "test_train_misc.py",
+                 "test_compile_cache.py", "test_slurm.py", "test_distributed.py", "test_seams.py", "test_fsdp2.py",
+                 "test_multinode.py", "test_model.py", "test_hostile.py", "test_trackers.py",
+                 "test_reliability_trainer.py", "test_generate.py", "test_latent_use.py",
+                 "test_keep_best_async_save.py", "test_convert_to_hf.py", "test_muon.py", "test_config.py"]
 
 
 def pytest_collection_modifyitems(items):
