@@ -9,8 +9,8 @@ the same command is run again on the copy. It must resume at step 6 and reproduc
 
 Runs that end with exit 0 share a few launches of tests/dist_driver.py (torch starts once per
 process, not once per run): `ref2` (2 processes, the references), `four` (4 processes),
-`res2` (2 processes, resumes) and `one` (1 process). Exit codes, signals and kills need real
-processes: those start train_fsdp.py directly.
+`res2` (2 processes, resumes) and `one` (1 process). Signals and kills need real processes: those
+start train_fsdp.py directly; the resumes after them run forked, as launch()'s ranks do (rerun()).
 """
 import collections
 import concurrent.futures
@@ -294,6 +294,14 @@ class Workers:
                 with open(path) as fh:
                     text += f"--- {path}\n{fh.read()[-3000:]}\n"
         return text
+
+
+def rerun(nproc, args):
+    """The same command line again on nproc ranks forked from tests/script_runner.py, as launch() starts them
+    (nothing signals these): each rank's CompletedProcess."""
+    _store, envs = rank_envs(nproc)  # the rendezvous, kept until the ranks exit
+    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
+        return list(pool.map(lambda env: script_runner.run("train_fsdp.py", args, ROOT, env), envs))
 
 
 def wait_until(condition, workers, timeout=120):
@@ -621,9 +629,8 @@ def _kill_then_resume(tmp_path, name, nproc, condition):
     assert hit, f"{name}: the run ended before the moment to kill it\n" + workers.output()
     assert [p.returncode for p in workers.procs] == [-signal.SIGKILL] * nproc, workers.output()
     before = sorted(os.listdir(ckpt_root(run_dir)))
-    again = Workers(nproc, args, str(tmp_path / f"{name}-resumed"))
-    codes = again.wait()
-    assert codes == [0] * nproc, again.output()
+    again = rerun(nproc, args)
+    assert [p.returncode for p in again] == [0] * nproc, again[0].stderr[-3000:]
     return run_dir, before
 
 
@@ -704,8 +711,8 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     with open(os.path.join(run_dir, train_fsdp.STOPPED_FILE)) as fh:  # what slurm_submit.sh reads
         assert json.load(fh) == {"step": step}
 
-    again = Workers(nproc, args, str(tmp_path / "resumed"))
-    assert again.wait() == [0] * nproc, again.output()
+    again = rerun(nproc, args)
+    assert [p.returncode for p in again] == [0] * nproc, again[0].stderr[-3000:]
     assert not os.path.exists(os.path.join(run_dir, train_fsdp.STOPPED_FILE))
     assert resumed_step(run_dir) == step
     assert loss_steps(run_dir) == list(range(1, 21))
