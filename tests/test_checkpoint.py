@@ -10,7 +10,7 @@ the same command is run again on the copy. It must resume at step 6 and reproduc
 Runs that end with exit 0 share a few launches of tests/dist_driver.py (torch starts once per
 process, not once per run): `ref2` (2 processes, the references), `four` (4 processes),
 `res2` (2 processes, resumes) and `one` (1 process). Signals and kills need real processes: those
-start train_fsdp.py directly; the resumes after them run forked, as launch()'s ranks do (rerun()).
+start train_fsdp.py directly; the resumes after them run forked, as launch()'s ranks do (run_ranks()).
 """
 import collections
 import concurrent.futures
@@ -40,7 +40,7 @@ import script_runner  # noqa: E402
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_distributed import TINY, assert_same, clean_env, launch, rank_envs  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch, rank_envs, run_ranks  # noqa: E402
 
 R = ["--max-steps", "10", "--save-every", "3", "--keep-checkpoints", "4"]  # checkpoints 3, 6, 9, 10
 VARIANTS = {  # test 1: every one resumed at the same world size must be bit-identical
@@ -294,14 +294,6 @@ class Workers:
                 with open(path) as fh:
                     text += f"--- {path}\n{fh.read()[-3000:]}\n"
         return text
-
-
-def rerun(nproc, args):
-    """The same command line again on nproc ranks forked from tests/script_runner.py, as launch() starts them
-    (nothing signals these): each rank's CompletedProcess."""
-    _store, envs = rank_envs(nproc)  # the rendezvous, kept until the ranks exit
-    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
-        return list(pool.map(lambda env: script_runner.run("train_fsdp.py", args, ROOT, env), envs))
 
 
 def wait_until(condition, workers, timeout=120):
@@ -629,7 +621,7 @@ def _kill_then_resume(tmp_path, name, nproc, condition):
     assert hit, f"{name}: the run ended before the moment to kill it\n" + workers.output()
     assert [p.returncode for p in workers.procs] == [-signal.SIGKILL] * nproc, workers.output()
     before = sorted(os.listdir(ckpt_root(run_dir)))
-    again = rerun(nproc, args)
+    again = run_ranks("train_fsdp.py", args, nproc)  # forked: nothing signals it
     assert [p.returncode for p in again] == [0] * nproc, again[0].stderr[-3000:]
     return run_dir, before
 
@@ -711,7 +703,7 @@ def _stop_with_signal(tmp_path, nproc, sig, ref):
     with open(os.path.join(run_dir, train_fsdp.STOPPED_FILE)) as fh:  # what slurm_submit.sh reads
         assert json.load(fh) == {"step": step}
 
-    again = rerun(nproc, args)
+    again = run_ranks("train_fsdp.py", args, nproc)
     assert [p.returncode for p in again] == [0] * nproc, again[0].stderr[-3000:]
     assert not os.path.exists(os.path.join(run_dir, train_fsdp.STOPPED_FILE))
     assert resumed_step(run_dir) == step
@@ -1286,6 +1278,6 @@ def test_fsdp1_sharded_state_offloaded_to_the_host_is_the_same_and_loads(tmp_pat
     no storage with its weights or AdamW moments (a copy), FSDP2's is those very tensors, and
     FSDP1 under NO_SHARD hands out the moments themselves (2 gloo processes,
     tests/sharded_state_offload.py)."""
-    from test_fsdp2 import torchrun
-    res = torchrun(2, os.path.join("tests", "sharded_state_offload.py"), tmp_path / "ck")
-    assert "OK 16 tensors" in res.stdout, res.stdout[-2000:]
+    res = run_ranks(os.path.join("tests", "sharded_state_offload.py"), [tmp_path / "ck"], 2)
+    assert [r.returncode for r in res] == [0, 0], res[0].stderr[-3000:] + res[1].stderr[-3000:]
+    assert "OK 16 tensors" in res[0].stdout, res[0].stdout[-2000:]

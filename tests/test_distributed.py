@@ -70,6 +70,14 @@ def rank_envs(nproc):
                         LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
 
 
+def run_ranks(script, args, nproc, env=None, timeout=600):
+    """`python SCRIPT ARGS` on nproc ranks as srun starts them (rank_envs(), updated by `env`), each forked from
+    tests/script_runner.py: each rank's CompletedProcess, once all have exited."""
+    _store, ranks = rank_envs(nproc)  # the rendezvous, kept until the ranks exit
+    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
+        return list(pool.map(lambda e: script_runner.run(script, args, ROOT, {**e, **(env or {})}, timeout), ranks))
+
+
 def launch(tmp_path, nproc, runs, tag, record=False):
     """Run {name: extra args} in one launch; return {name: (per-step losses, final val dict,
     run dir)}. `record`: each rank also writes comms_rank{r}.json into the run dir (comms())."""
@@ -79,13 +87,7 @@ def launch(tmp_path, nproc, runs, tag, record=False):
         spec[name] = TINY + ["--out-dir", out[name], "--cache-dir", str(tmp_path / "cache")] + extra
     spec_file = tmp_path / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
-    # The ranks as srun starts them (no torchrun), each forked from a process that imported torch already.
-    store, ranks = rank_envs(nproc)
-    if record:
-        for env in ranks:
-            env["RECORD_COMMS"] = "1"
-    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
-        procs = list(pool.map(lambda e: script_runner.run("tests/dist_driver.py", [spec_file], ROOT, e, 600), ranks))
+    procs = run_ranks("tests/dist_driver.py", [spec_file], nproc, {"RECORD_COMMS": "1"} if record else None)
     for rank, res in enumerate(procs):
         assert res.returncode == 0, f"rank {rank}: " + res.stdout[-3000:] + res.stderr[-5000:]
     results = {}

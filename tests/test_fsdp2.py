@@ -9,8 +9,8 @@ checkpointing, compile and sharding, and the settings fsdp2 refuses, resolves an
 import dataclasses
 import json
 import os
-import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -18,19 +18,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_distributed import clean_env  # noqa: E402
+from test_distributed import clean_env, run_ranks  # noqa: E402
 
 TOLERANCE = 0.005  # relative gradient error against fp32 that every strategy's default meets
-
-
-def torchrun(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", *map(str, args)]
-    res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
 
 
 def test_accumulated_gradient_against_fp32(tmp_path):
@@ -40,7 +34,8 @@ def test_accumulated_gradient_against_fp32(tmp_path):
     accumulates in reduce_dtype, DDP and one process in fp32: each meets the tolerance in both
     modes, and so does every strategy's default (auto: sync for FSDP1, no_sync otherwise)."""
     out = tmp_path / "precision.json"
-    torchrun(2, os.path.join("tests", "grad_precision.py"), out, 32)
+    for res in run_ranks(os.path.join("tests", "grad_precision.py"), [out, 32], 2):
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     result = json.loads(out.read_text())
     errors = result["errors"]
     assert result["resolved"] == {"fsdp": "sync", "fsdp2": "no_sync", "ddp": "no_sync"}
@@ -86,9 +81,12 @@ print(json.dumps({"root": describe(model), "blocks": [describe(b) for b in model
 
 
 def run_build_script(script, argv):
-    """Runs one of the scripts above with argv; returns the JSON of its last line."""
-    res = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, env=clean_env(), capture_output=True,
-                         text=True, timeout=300)
+    """Runs one of the scripts above with argv (forked by tests/script_runner.py); the JSON of its last line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "build.py")
+        with open(path, "w") as fh:
+            fh.write(script)
+        res = script_runner.run(path, argv, ROOT, clean_env())
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 import script_runner  # noqa: E402
 
 import train_fsdp  # noqa: E402
-from test_distributed import TINY, clean_env  # noqa: E402
+from test_distributed import TINY, clean_env, run_ranks  # noqa: E402
 
 pytest.importorskip("tensorboard", reason="pip install tensorboard (.ci/run does)")
 pytest.importorskip("wandb", reason="pip install wandb (.ci/run does)")
@@ -39,15 +39,11 @@ def wandb_env(tmp):
 
 
 def drive(tmp, name, argv, nproc):
-    """Run train_fsdp.main(argv) through tests/dist_driver.py on nproc processes."""
+    """Run train_fsdp.main(argv) through tests/dist_driver.py on nproc ranks (run_ranks())."""
     spec = tmp / f"{name}.json"
     spec.write_text(json.dumps({name: argv}))
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "dist_driver.py"), str(spec)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"] + cmd[1:]
-    res = subprocess.run(cmd, cwd=ROOT, env=wandb_env(tmp), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for res in run_ranks("tests/dist_driver.py", [spec], nproc, wandb_env(tmp), timeout=300):
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
