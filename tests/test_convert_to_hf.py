@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -74,8 +73,7 @@ def converted(runs):
     """{name: (checkpoint, OUT_DIR)}: char's step 2 through the command line (FSDP1 DCP shards),
     bpe's step 2 (FSDP2 DCP shards) and latest (step 4: model.pt) in this process."""
     out = {name: runs["tmp"] / f"converted-{name}" for name in ("char", "bpe", "bpe_full", "synthetic")}
-    res = subprocess.run([sys.executable, "convert_to_hf.py", step(runs["char"], 2), str(out["char"])], cwd=ROOT,
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    res = script_runner.run("convert_to_hf.py", [step(runs["char"], 2), out["char"]], ROOT, clean_env())
     assert res.returncode == 0 and res.stdout.startswith(f"wrote {out['char']}"), res.stdout + res.stderr
     assert convert_to_hf.run([step(runs["bpe"], 2), str(out["bpe"])]) == 0
     assert convert_to_hf.run([str(runs["bpe"] / "checkpoints" / "latest"), str(out["bpe_full"])]) == 0

@@ -1,6 +1,7 @@
 """Multi-node emulated on one host: two torchrun launchers (--nnodes=2, c10d rendezvous on
 localhost) as two "nodes". HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard within a node and replicate
 across; losses equal the single-process run (fp32, 1e-5 relative)."""
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -79,15 +80,12 @@ def test_srun_style_launch_without_torchrun(tmp_path, reference):
     process. A plain `python train_fsdp.py` inside an allocation of several tasks (SLURM_NTASKS
     without a step) stays one process."""
     (_store, rendezvous), run_dir = rendezvous_store(), tmp_path / "srun"  # the store lives until they exit
-    procs = []
-    for rank in range(2):
-        env = clean_env()
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_STEP_NUM_NODES="1", **rendezvous)
-        procs.append(subprocess.Popen([sys.executable, "train_fsdp.py", *TINY, "--out-dir", str(run_dir)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    envs = [{**clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_NODES": "1", **rendezvous} for rank in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # forked from the script server, as launch()'s ranks
+        procs = list(pool.map(lambda env: script_runner.run("train_fsdp.py", [*TINY, "--out-dir", run_dir], ROOT,
+                                                            env), envs))
+    assert all(p.returncode == 0 for p in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as fh:
         losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
     assert_same(losses, reference)
