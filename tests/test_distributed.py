@@ -70,12 +70,12 @@ def rank_envs(nproc):
                         LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
 
 
-def run_ranks(script, args, nproc, env=None, timeout=600):
-    """`python SCRIPT ARGS` on nproc ranks as srun starts them (rank_envs(), updated by `env`), each forked from
-    tests/script_runner.py: each rank's CompletedProcess, once all have exited."""
+def run_ranks(script, args, nproc, env=None, timeout=600, cwd=ROOT):
+    """`python SCRIPT ARGS` in cwd on nproc ranks as srun starts them (rank_envs(), updated by `env`), each forked
+    from tests/script_runner.py: each rank's CompletedProcess, once all have exited."""
     _store, ranks = rank_envs(nproc)  # the rendezvous, kept until the ranks exit
     with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
-        return list(pool.map(lambda e: script_runner.run(script, args, ROOT, {**e, **(env or {})}, timeout), ranks))
+        return list(pool.map(lambda e: script_runner.run(script, args, cwd, {**e, **(env or {})}, timeout), ranks))
 
 
 def launch(tmp_path, nproc, runs, tag, record=False):

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ sys.path.insert(0, ROOT)
 import script_runner  # noqa: E402
 
 import train_fsdp  # noqa: E402
+from test_distributed import clean_env, run_ranks  # noqa: E402
 
 REPO_MODEL = '''
 """Another repo's GPT: its own names, nanoGPT's LayerNorm (no reset_parameters) and tied head."""
@@ -213,13 +213,15 @@ def write_repo(path):
 
 
 def launch(repo, args, nproc=1, **env_extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH="", **env_extra)
-    if nproc == 1:  # forked from a process that imported torch already (tests/script_runner.py)
+    """The repo's train.py on nproc ranks forked from tests/script_runner.py (srun-style, run_ranks()): the first
+    rank's result, with every rank's exit codes in `codes` and their stderr joined."""
+    env = dict(clean_env(), PYTHONPATH="", **env_extra)
+    if nproc == 1:
         return script_runner.run("train.py", ["--config", "run.toml", *args], repo, env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "train.py", "--config", "run.toml", *map(str, args)]
-    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    ranks = run_ranks("train.py", ["--config", "run.toml", *args], nproc, env, timeout=300, cwd=repo)
+    first = ranks[0]
+    first.codes, first.stderr = [r.returncode for r in ranks], "".join(r.stderr for r in ranks)
+    return first
 
 
 def records(run_dir):
@@ -308,14 +310,14 @@ def test_strategies_on_two_processes_sigterm_and_resume(repo, plain):
     (repo / "data" / "__init__.py").unlink()
     ref = [r["loss"] for r in records(plain[0])]
     stop = launch(repo, ["--strategy", "fsdp", "--n-layer", "3", "--out-dir", "two"], nproc=2, STOP_AT="4")
-    assert stop.returncode != 0 and re.search(r"exitcode\s*:\s*3", stop.stderr), stop.stderr[-3000:]
+    assert stop.codes == [train_fsdp.EXIT_PREEMPTED] * 2, stop.stderr[-3000:]
     assert json.loads((repo / "two" / "stopped.json").read_text()) == {"step": 4}
     assert (repo / "two" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
     resumed = launch(repo, ["--strategy", "fsdp2", "--n-layer", "3", "--out-dir", "two"], nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.codes == [0, 0], resumed.stderr[-3000:]
     same([r["loss"] for r in records(repo / "two")], ref)
     ddp = launch(repo, ["--strategy", "ddp", "--n-layer", "3", "--out-dir", "ddp"], nproc=2)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.codes == [0, 0], ddp.stderr[-3000:]
     same([r["loss"] for r in records(repo / "ddp")], ref)
 
 
@@ -325,7 +327,7 @@ def test_meta_init_keeps_the_tie_and_refuses_an_uninitialised_module(repo):
     line that names it, before anything is written."""
     one = launch(repo, ["--strategy", "none", "--meta-init", "--out-dir", "meta1"])
     two = launch(repo, ["--strategy", "fsdp", "--meta-init", "--out-dir", "meta2"], nproc=2)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-3000:])
+    assert one.returncode == 0 and two.codes == [0, 0], (one.stderr[-2000:], two.stderr[-3000:])
     same([r["loss"] for r in records(repo / "meta2")], [r["loss"] for r in records(repo / "meta1")])
     state = torch.load(repo / "meta2" / "checkpoints" / "step_0000008" / "model.pt", weights_only=True)["model"]
     assert torch.equal(state["wte.weight"], state["lm_head.weight"])
