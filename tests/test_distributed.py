@@ -70,12 +70,17 @@ def rank_envs(nproc):
                         LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
 
 
+def run_forked(script, args, envs, timeout=600, cwd=ROOT):
+    """`python SCRIPT ARGS` in cwd once per environment, all at once, each forked from tests/script_runner.py:
+    their CompletedProcess, once all have exited."""
+    with concurrent.futures.ThreadPoolExecutor(len(envs)) as pool:
+        return list(pool.map(lambda env: script_runner.run(script, args, cwd, env, timeout), envs))
+
+
 def run_ranks(script, args, nproc, env=None, timeout=600, cwd=ROOT):
-    """`python SCRIPT ARGS` in cwd on nproc ranks as srun starts them (rank_envs(), updated by `env`), each forked
-    from tests/script_runner.py: each rank's CompletedProcess, once all have exited."""
+    """run_forked() on nproc ranks as srun starts them (rank_envs(), updated by `env`)."""
     _store, ranks = rank_envs(nproc)  # the rendezvous, kept until the ranks exit
-    with concurrent.futures.ThreadPoolExecutor(nproc) as pool:
-        return list(pool.map(lambda e: script_runner.run(script, args, cwd, {**e, **(env or {})}, timeout), ranks))
+    return run_forked(script, args, [{**e, **(env or {})} for e in ranks], timeout, cwd)
 
 
 def launch(tmp_path, nproc, runs, tag, record=False):

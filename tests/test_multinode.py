@@ -1,7 +1,6 @@
 """Multi-node emulated on one host: two torchrun launchers (--nnodes=2, c10d rendezvous on
 localhost) as two "nodes". HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard within a node and replicate
 across; losses equal the single-process run (fp32, 1e-5 relative)."""
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import script_runner  # noqa: E402
 
-from test_distributed import TINY, assert_same, clean_env, launch, rank0_share, rendezvous_store  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch, rank0_share, rendezvous_store, run_forked  # noqa: E402
 
 
 def two_nodes(tmp_path, per_node, runs, tag):
@@ -82,9 +81,7 @@ def test_srun_style_launch_without_torchrun(tmp_path, reference):
     (_store, rendezvous), run_dir = rendezvous_store(), tmp_path / "srun"  # the store lives until they exit
     envs = [{**clean_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
              "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_NODES": "1", **rendezvous} for rank in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # forked from the script server, as launch()'s ranks
-        procs = list(pool.map(lambda env: script_runner.run("train_fsdp.py", [*TINY, "--out-dir", run_dir], ROOT,
-                                                            env), envs))
+    procs = run_forked("train_fsdp.py", [*TINY, "--out-dir", run_dir], envs)  # forked, as launch()'s ranks
     assert all(p.returncode == 0 for p in procs), procs[0].stderr[-3000:] + procs[1].stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as fh:
         losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]

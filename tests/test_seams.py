@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -213,15 +214,13 @@ def write_repo(path):
 
 
 def launch(repo, args, nproc=1, **env_extra):
-    """The repo's train.py on nproc ranks forked from tests/script_runner.py (srun-style, run_ranks()): the first
-    rank's result, with every rank's exit codes in `codes` and their stderr joined."""
+    """The repo's train.py on nproc ranks forked from tests/script_runner.py (srun-style, run_ranks()): one rank's
+    CompletedProcess, or for several their exit codes (`codes`) and their stderr joined."""
     env = dict(clean_env(), PYTHONPATH="", **env_extra)
     if nproc == 1:
         return script_runner.run("train.py", ["--config", "run.toml", *args], repo, env)
     ranks = run_ranks("train.py", ["--config", "run.toml", *args], nproc, env, timeout=300, cwd=repo)
-    first = ranks[0]
-    first.codes, first.stderr = [r.returncode for r in ranks], "".join(r.stderr for r in ranks)
-    return first
+    return types.SimpleNamespace(codes=[r.returncode for r in ranks], stderr="".join(r.stderr for r in ranks))
 
 
 def records(run_dir):
