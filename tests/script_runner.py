@@ -6,9 +6,10 @@ installation's), the warning filters of PYTHONWARNINGS, atexit, and the exit sta
 (SystemExit's, os._exit's, 1 after a traceback, -N after signal N). The project's own modules are not
 preloaded: a child imports them from the script's directory, as a user's copy of the trainer does.
 
-For single-process commands whose environment differs from the server's only in variables read after
-start-up: OMP_NUM_THREADS is 1 (read when torch loads) and TORCH_LOGS unset. Signals to a process
-group, several ranks and torchrun keep real processes (subprocess).
+For commands whose environment differs from the server's only in variables read after start-up:
+OMP_NUM_THREADS is 1 (read when torch loads) and TORCH_LOGS unset. run() waits for the command; start()
+returns a Popen-like handle at once, to signal or kill the command alone or in a process group of ranks.
+torchrun keeps real processes (subprocess).
 
 The server: python tests/script_runner.py SOCKET (one per test process, started on first use)."""
 import atexit
@@ -16,6 +17,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import shutil
 import signal
 import socket
@@ -34,22 +36,53 @@ _server, _lock = None, threading.Lock()
 def run(script, args, cwd, env, timeout=300):
     """subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout), run by a child of the server."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        proc = start(script, args, cwd, env, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        with open(out) as fo, open(err) as fe:
+            return subprocess.CompletedProcess(proc.args, code, fo.read(), fe.read())
+
+
+def start(script, args, cwd, env, out, err, group=None):
+    """subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env, stdout=open(out, "w"),
+    stderr=open(err, "w"), process_group=group), run by a child of the server: a handle with the pid,
+    poll(), kill(), wait(timeout) and returncode of a Popen. Without a group the child has a session of its own."""
     assert env.get("OMP_NUM_THREADS") == "1" and "TORCH_LOGS" not in env, "this command needs a real process"
     args = [str(a) for a in args]
-    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as conn:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        conn.connect(_socket_path())
-        conn.sendall(json.dumps([script, args, str(cwd), dict(env), out, err]).encode() + b"\n")
-        replies = conn.makefile()
-        pid = int(replies.readline())
-        conn.settimeout(timeout)
-        try:
-            code = int(replies.readline())
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired([script, *args], timeout) from None
-        with open(out) as fo, open(err) as fe:
-            return subprocess.CompletedProcess([sys.executable, script, *args], code, fo.read(), fe.read())
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(_socket_path())
+    conn.sendall(json.dumps([str(script), args, str(cwd), dict(env), str(out), str(err), group]).encode() + b"\n")
+    return Forked([sys.executable, script, *args], conn)
+
+
+class Forked:
+    """A command forked by the server: its pid, and its exit status once the server sends it."""
+
+    def __init__(self, args, conn):
+        self.args, self.conn, self.replies, self.returncode = args, conn, conn.makefile(), None
+        self.pid = int(self.replies.readline())
+
+    def poll(self):
+        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def kill(self):
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            if not select.select([self.conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(self.replies.readline())
+            self.replies.close()
+            self.conn.close()
+        return self.returncode
 
 
 def _socket_path():
@@ -87,6 +120,8 @@ def _serve(path):
             if pid == 0:
                 conn.close()
                 _command(*request)
+            if request[-1] is not None:  # as the child does: in the group before anyone may signal it
+                os.setpgid(pid, request[-1] or pid)
             conn.sendall(f"{pid}\n".encode())
             _, status = os.waitpid(pid, 0)
             conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
@@ -94,8 +129,11 @@ def _serve(path):
         conn.close()
 
 
-def _command(script, args, cwd, env, out, err):
-    os.setsid()  # its own session, as a process of its own; the server's stdout is not its
+def _command(script, args, cwd, env, out, err, group):
+    if group is None:
+        os.setsid()  # its own session, as a process of its own; the server's stdout is not its
+    else:
+        os.setpgid(0, group)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -22,7 +22,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -228,12 +227,9 @@ def cmd_args(run_dir, cache, extra):
     return TINY + ["--out-dir", str(run_dir), "--cache-dir", str(cache)] + list(extra)
 
 
-def cli(args, timeout=300, wrapper=None):
-    """python train_fsdp.py ARGS (one process), or through a `python -c WRAPPER` given sys.argv."""
-    if not wrapper:
-        return script_runner.run("train_fsdp.py", args, ROOT, clean_env(), timeout)
-    return subprocess.run([sys.executable, "-c", wrapper, *map(str, args)], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def cli(args, timeout=300, script="train_fsdp.py"):
+    """python train_fsdp.py ARGS (one process; or `script`, given the same arguments), forked."""
+    return script_runner.run(script, args, ROOT, clean_env(), timeout)
 
 
 def error_line(proc, code, alone=False):
@@ -250,7 +246,8 @@ def error_line(proc, code, alone=False):
 
 class Workers:
     """nproc train_fsdp.py processes (or `script`, given the same arguments) started without
-    torchrun (RANK, WORLD_SIZE, ... set here), all in one new process group; stdout/stderr go to files."""
+    torchrun (RANK, WORLD_SIZE, ... set here), forked from the script server (tests/script_runner.py), all
+    in one new process group; stdout/stderr go to files."""
 
     def __init__(self, nproc, args, log_prefix, script="train_fsdp.py"):
         self.procs, self.logs = [], []
@@ -258,12 +255,9 @@ class Workers:
         for rank, env in enumerate(envs):
             out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
             self.logs.append((out, err))
-            # One new process group (led by rank 0, same session: a process may only join a group
-            # of its own session), so that killpg reaches every rank at once.
-            group = dict(process_group=0 if rank == 0 else self.procs[0].pid)
-            with open(out, "w") as fo, open(err, "w") as fe:
-                self.procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT,
-                                                   env=env, stdout=fo, stderr=fe, **group))
+            # One new process group, led by rank 0, so that killpg reaches every rank at once.
+            self.procs.append(script_runner.start(script, args, ROOT, env, out, err,
+                                                  group=0 if rank == 0 else self.procs[0].pid))
 
     def alive(self):
         return any(p.poll() is None for p in self.procs)
@@ -1012,9 +1006,12 @@ def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):
 # 6. Disk full during a save (RLIMIT_FSIZE: no file may grow beyond LIMIT bytes)
 
 LIMIT = 64 * 1024
-FSIZE_WRAPPER = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-                 f"resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT})); "
-                 "sys.argv = ['train_fsdp.py', *sys.argv[1:]]; runpy.run_path('train_fsdp.py', run_name='__main__')")
+FSIZE_LIMITED = f"""import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT}))
+sys.path[0], sys.argv[0] = {ROOT!r}, "train_fsdp.py"
+runpy.run_path("train_fsdp.py", run_name="__main__")
+"""
 
 
 def test_save_that_cannot_make_its_directory_stops_both_ranks(one, tmp_path):
@@ -1041,7 +1038,8 @@ def test_failed_save_keeps_the_previous_checkpoint(one, tmp_path, kind):
     assert max(os.path.getsize(os.path.join(step3, f)) for f in meta["files"]) > LIMIT
     extra = ["--max-steps", "6", "--save-every", "2"] + (VARIANTS["full"] if kind == "full" else [])
     args = cmd_args(run_dir, tmp_path / "cache", extra)
-    limited = cli(args, wrapper=FSIZE_WRAPPER)
+    (tmp_path / "size_limited.py").write_text(FSIZE_LIMITED)
+    limited = cli(args, script=tmp_path / "size_limited.py")
     assert limited.returncode == train_fsdp.EXIT_FAILED, limited.stderr[-3000:]
     assert latest_name(run_dir) == "step_0000003"
     assert train_fsdp.complete_checkpoints(ckpt_root(run_dir)) == ["step_0000003"]

@@ -42,6 +42,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
@@ -367,8 +369,7 @@ def test_a_second_launch_into_a_run_directory_in_use_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     args = TINY + ["--strategy", "none", "--max-steps", "100000", "--save-every", "5", "--out-dir", run_dir,
                    "--cache-dir", tmp_path / "cache"]
-    first = subprocess.Popen([sys.executable, "train_fsdp.py", *map(str, args)], cwd=ROOT, env=clean_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = script_runner.start("train_fsdp.py", args, ROOT, clean_env(), os.devnull, os.devnull)
     try:
         deadline = time.monotonic() + 120
         while n_loss_records(run_dir) < 10:  # training, with a checkpoint saved

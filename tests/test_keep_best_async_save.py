@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ import script_runner  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_checkpoint import (  # noqa: E402
+    Workers,
     ckpt_root,
     latest_name,
     leftovers,
@@ -38,7 +38,7 @@ from test_checkpoint import (  # noqa: E402
     records,
     resumed_step,
 )
-from test_distributed import TINY, clean_env, rank_envs  # noqa: E402
+from test_distributed import TINY, clean_env  # noqa: E402
 
 THIS = os.path.abspath(__file__)
 ASYNC = ["--max-steps", "8", "--save-every", "1", "--async-save", "--eval-every", "0"]
@@ -72,8 +72,7 @@ def best_runs(tmp_path_factory):
     ]
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, THIS, "runs", str(spec_file)], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = script_runner.run(THIS, ["runs", spec_file], ROOT, clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"run": run, "after6": str(tmp / "after6"), "after7": str(tmp / "after7"), "debug": dbg,
             "env": json.loads((tmp / "debug_env.json").read_text())}
@@ -121,22 +120,8 @@ def test_init_from_export_and_sample_accept_the_best_marker(best_runs, tmp_path)
 
 
 def writer_run(mode, args, log_prefix, nproc=1):
-    """`python THIS writer MODE ARGS` on nproc processes (RANK, WORLD_SIZE, ... set here), in one
-    new process group; returns the Popen objects, their (stdout, stderr) paths and the rendezvous
-    store (kept until they exit)."""
-    procs, logs = [], []
-    store, envs = rank_envs(nproc)
-    for rank, env in enumerate(envs):
-        out, err = f"{log_prefix}.rank{rank}.out", f"{log_prefix}.rank{rank}.err"
-        logs.append((out, err))
-        with open(out, "w") as fo, open(err, "w") as fe:
-            procs.append(subprocess.Popen([sys.executable, THIS, "writer", mode, *map(str, args)], cwd=ROOT, env=env,
-                                          stdout=fo, stderr=fe, process_group=0 if rank == 0 else procs[0].pid))
-    return procs, logs, store
-
-
-def output(logs):
-    return "".join(f"--- {p}\n{open(p).read()[-3000:]}\n" for pair in logs for p in pair)
+    """`python THIS writer MODE ARGS` on nproc ranks, forked, in one new process group (Workers)."""
+    return Workers(nproc, ["writer", mode, *args], log_prefix, script=THIS)
 
 
 def test_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_exactly(tmp_path):
@@ -147,7 +132,7 @@ def test_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_
     step has trained, so a checkpoint that was not copied at its step would hold later weights."""
     run_dir = tmp_path / "run"
     args = TINY + ["--out-dir", run_dir, "--cache-dir", tmp_path / "cache"] + ASYNC
-    procs, logs, _store = writer_run("hold4", args, str(tmp_path / "killed"))
+    workers = writer_run("hold4", args, str(tmp_path / "killed"))
     tmp4 = os.path.join(ckpt_root(run_dir), ".tmp-step_0000004", "dcp")
 
     def mid_write():
@@ -158,13 +143,12 @@ def test_async_save_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_
         return written and 5 in loss_steps(run_dir)
     try:
         deadline = time.monotonic() + 180
-        while not (mid_write() or procs[0].poll() is not None or time.monotonic() > deadline):
+        while not (mid_write() or not workers.alive() or time.monotonic() > deadline):
             threading.Event().wait(0.01)  # poll the files while the trainer runs: a pace, not a sync
     finally:
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-    assert mid_write(), output(logs)
-    assert procs[0].returncode == -signal.SIGKILL, output(logs)
+        workers.kill()
+    assert mid_write(), workers.output()
+    assert workers.procs[0].returncode == -signal.SIGKILL, workers.output()
     assert not os.path.exists(os.path.join(tmp4, ".metadata"))  # killed before DCP's last file
     assert latest_name(run_dir) == "step_0000003"
     train_fsdp.check_checkpoint(os.path.join(ckpt_root(run_dir), "step_0000003"))
@@ -187,15 +171,9 @@ def test_failed_background_write_stops_every_rank_with_one_line(tmp_path):
     previous checkpoint is latest and intact."""
     run_dir = tmp_path / "run"
     args = TINY + ["--out-dir", run_dir, "--cache-dir", tmp_path / "cache"] + ASYNC
-    procs, logs, _store = writer_run("fail4rank1", args, str(tmp_path / "failed"), nproc=2)
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [train_fsdp.EXIT_FAILED] * 2, output(logs)
-    stderr = open(logs[0][1]).read()
+    workers = writer_run("fail4rank1", args, str(tmp_path / "failed"), nproc=2)
+    assert workers.wait(timeout=240) == [train_fsdp.EXIT_FAILED] * 2, workers.output()
+    stderr = workers.stderr(0)
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert errors[0].startswith("error: saving the checkpoint of step 4 failed (rank 1: OSError: [Errno 28] No space "

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 
 import pytest
@@ -174,11 +173,12 @@ def test_the_demonstration_reaches_both_trackers(tracked, tmp_path):
     for name, share in (("fixed_z", 0.875), ("fresh_z", 0.25)):
         summary[name] = {"same_start_share": share, "well_formed_share": 1.0, "start_entropy": 1.0,
                          "same_noise_share": 0.1}
-    code = (f"import json, runs_report, sample; s = json.loads({json.dumps(json.dumps(summary))}); "
-            f"runs_report.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
-            "sample.block_start_figure(s))")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=wandb_env(tmp_path), capture_output=True,
-                         text=True, timeout=120)
+    script = tmp_path / "demo.py"
+    script.write_text(f"import json, sys; sys.path.insert(0, {ROOT!r}); import runs_report, sample; "
+                      f"s = json.loads({json.dumps(json.dumps(summary))}); "
+                      f"runs_report.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
+                      "sample.block_start_figure(s))")
+    res = script_runner.run(script, [], ROOT, wandb_env(tmp_path), timeout=120)
     assert res.returncode == 0 and "failed" not in res.stdout, res.stdout + res.stderr
     got, acc = tensorboard_scalars(run / "tensorboard")
     assert got["demo/fixed_z/same_start_share"] == {6: 0.875}
