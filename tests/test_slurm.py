@@ -13,6 +13,7 @@ temporary directory for a look after a failure.
      uninterrupted run at the same world size
   c. a total batch that does not divide fails at once: exit 2 and one clear line
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -26,6 +27,8 @@ import time
 import warnings
 
 import pytest
+
+from test_distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "slurm_submit.sh")
@@ -268,21 +271,18 @@ def finish(job, cluster, tmp, name, timeout):
 
 
 def direct_run(tmp, name, nproc, args):
-    """The same training launched without Slurm: the reference."""
+    """The same training without Slurm, the reference: its ranks forked srun-style (run_ranks), in a thread beside
+    the job. Returns its run directory and the future of the ranks' results."""
     run_dir = os.path.join(tmp, name)
-    env = base_env("")
-    env.pop("SLURM_CONF")
-    cmd = [sys.executable, os.path.join(ROOT, "train_fsdp.py")]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"] + cmd[1:]
-    return run_dir, subprocess.Popen(cmd + args + ["--out-dir", run_dir], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(run_ranks, "train_fsdp.py", args + ["--out-dir", run_dir], nproc, timeout=300)
+    pool.shutdown(wait=False)  # the thread ends with the run
+    return run_dir, future
 
 
-def wait_direct(proc):
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-5000:]
+def wait_direct(future):
+    for rank, res in enumerate(future.result()):
+        assert res.returncode == 0, f"rank {rank}: " + res.stdout[-3000:] + res.stderr[-3000:]
 
 
 def assert_same_losses(got, ref, rel):
