@@ -282,13 +282,11 @@ def test_wandb_holds_every_step_after_a_sigkill_and_resume(tmp_path, cache):
     from test_trackers import wandb_env, wandb_records
     (tmp_path / "killer.py").write_text(KILLER)
     run = tmp_path / "run"
-    argv = [sys.executable, str(tmp_path / "killer.py"), ROOT, *tiny(run, cache, "--max-steps", "8", "--save-every",
-                                                                        "4", "--wandb", "tests")]
-    killed = subprocess.run(argv, cwd=tmp_path, env={**wandb_env(tmp_path), "KILL_AT": "7"}, capture_output=True,
-                            text=True, timeout=300)
+    args = [ROOT, *tiny(run, cache, "--max-steps", "8", "--save-every", "4", "--wandb", "tests")]
+    killed = script_runner.run(tmp_path / "killer.py", args, tmp_path, {**wandb_env(tmp_path), "KILL_AT": "7"})
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
-    resumed = subprocess.run(argv, cwd=tmp_path, env=wandb_env(tmp_path), capture_output=True, text=True, timeout=300)
+    resumed = script_runner.run(tmp_path / "killer.py", args, tmp_path, wandb_env(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     with open(run / "metrics.jsonl") as fh:
         losses = {r["step"]: r["loss"] for r in map(json.loads, fh) if "loss" in r}  # the resumed attempt's last
