@@ -1,11 +1,12 @@
-"""One compile cache for the whole suite: the trainer's default puts it beside each run directory, which
-in tests is a fresh temporary directory, so every compiled test would compile cold. The runs' processes
-inherit it (tests/test_compile_cache.py removes it to test the default)."""
+"""The suite's compiled runs: one compile cache for the whole suite (the trainer's default puts it beside
+each run directory, which in tests is a fresh temporary directory, so every compiled test would compile
+cold; tests/test_compile_cache.py removes it to test the default), and inductor's CPU kernels without SIMD.
+The runs' processes inherit both."""
 import os
 import tempfile
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_suite"))
-# Inductor's CPU kernels without SIMD: g++ builds them with about a third less CPU, and the kernels are the same on
+# Inductor's CPU kernels without SIMD: g++ builds them with about a quarter less CPU, and the kernels are the same on
 # AVX2 and AVX-512 machines. The tests check what is compiled, when, and its losses; not the kernels' speed.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 

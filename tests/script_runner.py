@@ -64,23 +64,35 @@ class Forked:
     """A command forked by the server: its pid, and its exit status once the server sends it."""
 
     def __init__(self, args, conn):
-        self.args, self.conn, self.replies, self.returncode = args, conn, conn.makefile(), None
-        self.pid = int(self.replies.readline())
+        self.args, self.conn, self.returncode, self.received = args, conn, None, b""
+        self.pid = int(self._line(None))
+
+    def _line(self, timeout):
+        """The server's next line, or None if it has not come within `timeout` seconds (None: no limit)."""
+        while b"\n" not in self.received:
+            if not select.select([self.conn], [], [], timeout)[0]:
+                return None
+            chunk = self.conn.recv(64)
+            assert chunk, "the script server closed the connection"
+            self.received += chunk
+        line, self.received = self.received.split(b"\n", 1)
+        return line
 
     def poll(self):
-        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
-            self.wait()
-        return self.returncode
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self):
         os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout=None):
         if self.returncode is None:
-            if not select.select([self.conn], [], [], timeout)[0]:
+            line = self._line(timeout)
+            if line is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = int(self.replies.readline())
-            self.replies.close()
+            self.returncode = int(line)
             self.conn.close()
         return self.returncode
 

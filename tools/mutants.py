@@ -460,7 +460,7 @@ def main(argv=None):
     # One snapshot of the working tree (another hand may be editing it): the baseline and every mutant start
     # from the same files.
     files = working_tree_files(ROOT)
-    tree = scratch_copy(ROOT, files, "mutants-tree-")
+    tree, state = scratch_copy(ROOT, files, "mutants-tree-"), tree_state(ROOT)
     started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
     try:
         stale = {m["id"]: r for m in mutants if (r := stale_reason(m, tree))}
@@ -480,7 +480,7 @@ def main(argv=None):
         shutil.rmtree(tree, ignore_errors=True)
     counts = {s: sum(r["status"] == s for r in results) for s in
               ("caught", "missed", "timeout", "error", "baseline-fails")}
-    report = {"started": started, "seconds": round(time.monotonic() - t0, 1), "tree": tree_state(ROOT),
+    report = {"started": started, "seconds": round(time.monotonic() - t0, 1), "tree": state,
               "tests": args.tests, "cpu": args.cpu or None, "python": sys.version.split()[0], "counts": counts,
               "baseline": baseline, "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
