@@ -1,10 +1,11 @@
-"""`python SCRIPT ARGS` for the suite's many short command lines, without starting Python and torch for
-each one. A server process imports torch and the distributed modules the trainer uses, once; each
-command runs in a child forked from it, as `python SCRIPT` runs: its own process, directory and
-environment, as __main__, with sys.argv, sys.path (the script's directory, PYTHONPATH, the
-installation's), the warning filters of PYTHONWARNINGS, atexit, and the exit status of the real thing
-(SystemExit's, os._exit's, 1 after a traceback, -N after signal N). The project's own modules are not
-preloaded: a child imports them from the script's directory, as a user's copy of the trainer does.
+"""`python SCRIPT ARGS` (or `python -c SOURCE ARGS`) for the suite's many short command lines, without
+starting Python and torch for each one. A server process imports torch and the distributed modules the
+trainer uses, once; each command runs in a child forked from it, as `python SCRIPT` runs: its own
+process, directory and environment, as __main__, with sys.argv, sys.path (the script's directory or, for
+-c, the working directory, PYTHONPATH, the installation's), the warning filters of PYTHONWARNINGS,
+atexit, and the exit status of the real thing (SystemExit's, os._exit's, 1 after a traceback, -N after
+signal N). The project's own modules are not preloaded: a child imports them from the script's
+directory, as a user's copy of the trainer does.
 
 For commands whose environment differs from the server's only in variables read after start-up:
 OMP_NUM_THREADS is 1 (read when torch loads) and TORCH_LOGS unset. run() waits for the command; start()
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import warnings
 
 PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
@@ -156,13 +158,21 @@ def _command(script, args, cwd, env, out, err, group):
     warnings.resetwarnings()
     sys.warnoptions[:] = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
     warnings._processoptions(sys.warnoptions)
-    path = os.path.abspath(script)
-    sys.argv = [script, *args]
-    sys.path[:] = [os.path.dirname(path), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+    if script == "-c":  # python -c SOURCE ARGS: the working directory first on sys.path, as ''
+        source, *args = args
+        sys.argv, first = ["-c", *args], ""
+        sys.modules["__main__"] = main = types.ModuleType("__main__")
+    else:
+        path = os.path.abspath(script)
+        sys.argv, first = [script, *args], os.path.dirname(path)
+    sys.path[:] = [first, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
                    *(p for p in sys.path[1:] if p.startswith((sys.prefix, sys.base_prefix)))]
     code = 0
     try:
-        runpy.run_path(path, run_name="__main__")
+        if script == "-c":
+            exec(compile(source, "<string>", "exec"), vars(main))
+        else:
+            runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
     except BaseException:

@@ -227,9 +227,10 @@ def cmd_args(run_dir, cache, extra):
     return TINY + ["--out-dir", str(run_dir), "--cache-dir", str(cache)] + list(extra)
 
 
-def cli(args, timeout=300, script="train_fsdp.py"):
-    """python train_fsdp.py ARGS (one process; or `script`, given the same arguments), forked."""
-    return script_runner.run(script, args, ROOT, clean_env(), timeout)
+def cli(args, timeout=300, wrapper=None):
+    """python train_fsdp.py ARGS (one process), or through a `python -c WRAPPER` given sys.argv; forked."""
+    script, argv = ("-c", [wrapper, *args]) if wrapper else ("train_fsdp.py", args)
+    return script_runner.run(script, argv, ROOT, clean_env(), timeout)
 
 
 def error_line(proc, code, alone=False):
@@ -1006,12 +1007,9 @@ def test_resume_from_a_corrupted_explicit_path_is_bad_input(cli_runs):
 # 6. Disk full during a save (RLIMIT_FSIZE: no file may grow beyond LIMIT bytes)
 
 LIMIT = 64 * 1024
-FSIZE_LIMITED = f"""import resource, runpy, signal, sys
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT}))
-sys.path[0], sys.argv[0] = {ROOT!r}, "train_fsdp.py"
-runpy.run_path("train_fsdp.py", run_name="__main__")
-"""
+FSIZE_WRAPPER = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                 f"resource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT})); "
+                 "sys.argv = ['train_fsdp.py', *sys.argv[1:]]; runpy.run_path('train_fsdp.py', run_name='__main__')")
 
 
 def test_save_that_cannot_make_its_directory_stops_both_ranks(one, tmp_path):
@@ -1038,8 +1036,7 @@ def test_failed_save_keeps_the_previous_checkpoint(one, tmp_path, kind):
     assert max(os.path.getsize(os.path.join(step3, f)) for f in meta["files"]) > LIMIT
     extra = ["--max-steps", "6", "--save-every", "2"] + (VARIANTS["full"] if kind == "full" else [])
     args = cmd_args(run_dir, tmp_path / "cache", extra)
-    (tmp_path / "size_limited.py").write_text(FSIZE_LIMITED)
-    limited = cli(args, script=tmp_path / "size_limited.py")
+    limited = cli(args, wrapper=FSIZE_WRAPPER)
     assert limited.returncode == train_fsdp.EXIT_FAILED, limited.stderr[-3000:]
     assert latest_name(run_dir) == "step_0000003"
     assert train_fsdp.complete_checkpoints(ckpt_root(run_dir)) == ["step_0000003"]

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -81,12 +80,9 @@ print(json.dumps({"root": describe(model), "blocks": [describe(b) for b in model
 
 
 def run_build_script(script, argv):
-    """Runs one of the scripts above with argv (forked by tests/script_runner.py); the JSON of its last line."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "build.py")
-        with open(path, "w") as fh:
-            fh.write(script)
-        res = script_runner.run(path, argv, ROOT, clean_env())
+    """Runs one of the scripts above with argv (`python -c`, forked by tests/script_runner.py); the JSON of its last
+    line."""
+    res = script_runner.run("-c", [script, *argv], ROOT, clean_env())
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -173,12 +173,10 @@ def test_the_demonstration_reaches_both_trackers(tracked, tmp_path):
     for name, share in (("fixed_z", 0.875), ("fresh_z", 0.25)):
         summary[name] = {"same_start_share": share, "well_formed_share": 1.0, "start_entropy": 1.0,
                          "same_noise_share": 0.1}
-    script = tmp_path / "demo.py"
-    script.write_text(f"import json, sys; sys.path.insert(0, {ROOT!r}); import runs_report, sample; "
-                      f"s = json.loads({json.dumps(json.dumps(summary))}); "
-                      f"runs_report.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
-                      "sample.block_start_figure(s))")
-    res = script_runner.run(script, [], ROOT, wandb_env(tmp_path), timeout=120)
+    code = (f"import json, runs_report, sample; s = json.loads({json.dumps(json.dumps(summary))}); "
+            f"runs_report.demo_to_trackers({str(run)!r}, {{'tensorboard': True, 'wandb': 'tests'}}, 6, s, "
+            "sample.block_start_figure(s))")
+    res = script_runner.run("-c", [code], ROOT, wandb_env(tmp_path), timeout=120)
     assert res.returncode == 0 and "failed" not in res.stdout, res.stdout + res.stderr
     got, acc = tensorboard_scalars(run / "tensorboard")
     assert got["demo/fixed_z/same_start_share"] == {6: 0.875}
