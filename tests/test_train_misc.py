@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -186,16 +187,36 @@ def test_log_records_and_start_up_summary(runs):
         assert line in log, log
 
 
-def test_bench_timeout_stops_the_workers_too(tmp_path):
+def test_bench_timeout_stops_the_workers_too(tmp_path, monkeypatch):
     """An entry past --timeout-s is recorded as stopped and leaves no trainer process behind
-    (torchrun's workers run in sessions of their own: killing torchrun's group alone missed them)."""
+    (torchrun's workers run in sessions of their own: killing torchrun's group alone missed them).
+    The timeout fires once the workers train (their first step is in metrics.jsonl), not after 20 s of
+    the clock: a machine that is slow to start them cannot make the test pass with no worker to stop."""
+    import subprocess
+
     import bench
+    run_dir = os.path.join(str(tmp_path), "never_ends")
+
+    class TimesOutOnceTraining(subprocess.Popen):
+        def communicate(self, input=None, timeout=None):
+            if timeout != 20:  # bench's later waits for the stopped entry: the real ones
+                return super().communicate(input, timeout)
+            deadline = time.monotonic() + 300
+            while not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                assert time.monotonic() < deadline, "the workers did not train within 300 s"
+                try:
+                    super().communicate(timeout=0.1)  # reads the output meanwhile, as the real wait does
+                except subprocess.TimeoutExpired:
+                    continue
+                raise AssertionError(f"the entry ended (exit {self.returncode}) before its workers trained")
+            raise subprocess.TimeoutExpired(self.args, timeout)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", TimesOutOnceTraining)
     flags = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "1", "--global-batch", "2"]
     args = bench.build_arg_parser().parse_args(["--out", str(tmp_path), "--timeout-s", "20"])
     row = bench.run_entry(("never ends", 2, flags, 10 ** 6), args, 1.0, 1.0)
     assert "stopped after --timeout-s 20" in open(os.path.join(tmp_path, "never_ends.log")).read()
     assert "error" in row
-    run_dir = os.path.join(str(tmp_path), "never_ends")
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
