@@ -314,7 +314,7 @@ def test_cpu_job_trains_like_a_direct_run(cluster, tmp_path):
 
 def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
     tmp = str(tmp_path)
-    args = TINY + ["--max-steps", "100", "--save-every", "10"]
+    args = TINY + ["--max-steps", "50", "--save-every", "10"]  # stopped at about step 12: 38 steps to spare
     # uninterrupted, same world size and batch layout, beside the job (each with its own data cache)
     ref_dir, ref = direct_run(tmp, "direct", 2, args + ["--global-batch", "8", "--micro-batch", "4", "--cache-dir",
                                                         str(tmp_path / "cache-direct")])
@@ -349,7 +349,7 @@ def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
         log = fh.read()
     assert "resumed from" in log, report + log
     stopped = int(log.split("resumed from")[1].split("(step ")[1].split(",")[0])
-    assert 10 <= stopped < 100, log
+    assert 10 <= stopped < 50, log
     # the checkpoint it resumed from is the one saved on the signal (rank 0's line in the .err file)
     assert f"signal SIGTERM at step {stopped}: checkpoint saved, exiting with code 3" in files["err"], report
     # a clean stop: the trainer's stopped.json was there, so no "without saving" line
@@ -357,7 +357,7 @@ def test_usr1_saves_requeues_and_resumes_exactly(cluster, tmp_path):
     got, want = read_metrics(run_dir), read_metrics(ref_dir)
     assert_same_losses(got, want, rel=1e-6)
     print(f"\nstopped at step {stopped}, resumed after requeue; losses after it match the uninterrupted run "
-          f"(step 100: {got[100]:.6f} vs {want[100]:.6f})")
+          f"(step 50: {got[50]:.6f} vs {want[50]:.6f})")
 
 
 def test_batch_that_does_not_divide_fails_early(cluster, tmp_path):
