@@ -1,7 +1,7 @@
 """The suite's compiled runs: one compile cache for the whole suite (the trainer's default puts it beside
 each run directory, which in tests is a fresh temporary directory, so every compiled test would compile
-cold; tests/test_compile_cache.py removes it to test the default), and inductor's CPU kernels without SIMD.
-The runs' processes inherit both."""
+cold; tests/test_compile_cache.py removes it to test the default), inductor's CPU kernels without SIMD and
+one thread per process. The runs' processes inherit all three."""
 import os
 import tempfile
 
@@ -9,6 +9,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdi
 # Inductor's CPU kernels without SIMD: g++ builds them with about a quarter less CPU, and the kernels are the same on
 # AVX2 and AVX-512 machines. The tests check what is compiled, when, and its losses; not the kernels' speed.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# One thread per process: make test's two workers and the runs they start share 2 cores, and a second OpenMP thread
+# only spins against the other worker (torch reads this when it loads, after conftest).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # make test's two workers (pytest-xdist, a file each, --no-loadscope-reorder) take the files in this order, the
 # longest first, so that neither is left running a long one alone at the end (xdist's default order, by number of
