@@ -1,7 +1,7 @@
-"""The suite's compiled runs: one compile cache for the whole suite (the trainer's default puts it beside
-each run directory, which in tests is a fresh temporary directory, so every compiled test would compile
-cold; tests/test_compile_cache.py removes it to test the default), inductor's CPU kernels without SIMD and
-one thread per process. The runs' processes inherit all three."""
+"""The suite's environment, inherited by the processes its tests start: one compile cache for the whole suite
+(the trainer's default puts it beside each run directory, which in tests is a fresh temporary directory, so every
+compiled test would compile cold; tests/test_compile_cache.py removes it to test the default), inductor's CPU
+kernels without SIMD, and one thread per process. Then the order in which make test's workers take the files."""
 import os
 import tempfile
 
