@@ -1,6 +1,7 @@
 """Learning-rate schedule, LR scaling, epochs, --profile and --compile with FSDP."""
 import json
 import os
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -192,14 +193,12 @@ def test_bench_timeout_stops_the_workers_too(tmp_path, monkeypatch):
     (torchrun's workers run in sessions of their own: killing torchrun's group alone missed them).
     The timeout fires once the workers train (their first step is in metrics.jsonl), not after 20 s of
     the clock: a machine that is slow to start them cannot make the test pass with no worker to stop."""
-    import subprocess
-
     import bench
-    run_dir = os.path.join(str(tmp_path), "never_ends")
+    run_dir, timeout_s = os.path.join(str(tmp_path), "never_ends"), 20
 
     class TimesOutOnceTraining(subprocess.Popen):
         def communicate(self, input=None, timeout=None):
-            if timeout != 20:  # bench's later waits for the stopped entry: the real ones
+            if timeout != timeout_s:  # bench's later waits for the stopped entry: the real ones
                 return super().communicate(input, timeout)
             deadline = time.monotonic() + 300
             while not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -213,7 +212,7 @@ def test_bench_timeout_stops_the_workers_too(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.subprocess, "Popen", TimesOutOnceTraining)
     flags = ["--size", "tiny", "--seq-len", "64", "--micro-batch", "1", "--global-batch", "2"]
-    args = bench.build_arg_parser().parse_args(["--out", str(tmp_path), "--timeout-s", "20"])
+    args = bench.build_arg_parser().parse_args(["--out", str(tmp_path), "--timeout-s", str(timeout_s)])
     row = bench.run_entry(("never ends", 2, flags, 10 ** 6), args, 1.0, 1.0)
     assert "stopped after --timeout-s 20" in open(os.path.join(tmp_path, "never_ends.log")).read()
     assert "error" in row
