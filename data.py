@@ -1,27 +1,37 @@
 """Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text corpus.
 
-prepare_data() does the slow, disk-writing work once (on global rank 0): train a SentencePiece tokenizer,
-tokenize the corpus into flat uint16/uint32 token files and write a manifest. open_dataset() (every rank) only
-reads: it memory-maps those files and serves batches addressed by (step, slice of the global batch), so the
-order is a pure function of the seed and resume/any world size see exactly the same samples.
+prepare_data() does the slow, disk-writing work once (on global rank 0, with every core of its node): train a
+SentencePiece tokenizer, tokenize the corpus into flat uint16/uint32 token files and write a manifest.
+open_dataset() (every rank) only reads: it memory-maps those files and serves batches addressed by (step, slice
+of the global batch), so the order is a pure function of the seed and resume/any world size see exactly the same
+samples. `python data.py --dataset ...` builds the same cache as a job of its own (docs/data.md).
 """
 
+import argparse
+import array
+import collections
+import dataclasses
 import errno
 import hashlib
+import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import socket
+import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 import torch
+import tqdm
 
 
 class DataError(ValueError):
@@ -36,7 +46,8 @@ def opt(default, help, choices=None):
 @dataclass
 class DataConfig:
     dataset: str = opt("synthetic", "'synthetic' (built-in task), 'random' (uniform random tokens, for benchmarks), "
-                       "a .txt file, a directory of .txt files or a .jsonl file with a \"text\" field")
+                       "a .txt, .jsonl or .parquet file (a \"text\" field) or a directory of one kind of them, "
+                       "or token files: a .bin file or a directory with train.bin (and val.bin)")
     val_path: str = opt("", "separate validation corpus (same kinds); empty = hold out --val-fraction of the tokens")
     val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no --val-path), in (0, 0.5]")
     tokenizer: str = opt("", "existing SentencePiece .model to use; empty = train one on the corpus")
@@ -46,12 +57,14 @@ class DataConfig:
     seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 for text "
                        "and random)")
     cache_dir: str = opt("data_cache", "directory for trained tokenizers and tokenized .bin files")
+    data_workers: int = opt(0, "processes that build the token cache; 0 = every core this process may use")
+    token_dtype: str = opt("uint16", "integer type of given .bin token files", ["uint16", "uint32"])
     synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
     synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may move
     # the token cache: where it lives does not change the tokens.
-    RESUME_FREE: typing.ClassVar = frozenset({"cache_dir"})
+    RESUME_FREE: typing.ClassVar = frozenset({"cache_dir", "data_workers"})
 
     def check(self):
         check_config(self)
@@ -60,8 +73,10 @@ TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
 FORMAT_VERSION = 2  # bump when the cache layout changes so old caches read as stale
 HASH_LIMIT = 64 << 20  # bytes hashed per check at most; the rest is trusted on size + mtime to keep checks fast
-ENCODE_LINES = 8192  # lines per sp.encode call: bounds memory on huge files without losing the threads' speed-up
-THREADS = min(16, os.cpu_count() or 1)
+TEXT_KINDS = (".txt", ".jsonl", ".parquet")
+PART_BYTES = 8 << 20  # text a process reads and tokenises at once: memory stays flat, and every core has work
+ENCODE_LINES = 8192  # lines per sp.encode call
+TOKENIZER_SAMPLE_BYTES = 1 << 30  # text a tokenizer is trained on at most, spread over the corpus
 
 # The synthetic task (Fleuret, "The Free Transformer", section 4). A sample is "\n", a letter, ">" and 64
 # characters: underscores with the letter repeated 8 times at a random place, each position then turned
@@ -205,6 +220,8 @@ def check_config(cfg: DataConfig) -> None:
         raise DataError(f"--tokenizer-type {cfg.tokenizer_type}: unknown; use one of {', '.join(TOKENIZER_TYPES)}")
     if not 0 < cfg.val_fraction <= 0.5:
         raise DataError(f"--val-fraction {cfg.val_fraction}: must be in (0, 0.5]")
+    if cfg.data_workers < 0:
+        raise DataError(f"--data-workers {cfg.data_workers}: must be at least 1, or 0 for every core")
     if cfg.seq_len < 0:
         raise DataError(f"--seq-len {cfg.seq_len}: must be at least 1, or 0 for the dataset's own")
     if cfg.dataset == "synthetic":
@@ -217,42 +234,154 @@ def check_config(cfg: DataConfig) -> None:
 
 
 def list_sources(path: str, flag: str) -> list[Path]:
-    """The text files behind a --dataset/--val-path value, in a stable order."""
-    kinds = ("'synthetic', " if flag == "--dataset" else "") + "a .txt file, a directory of .txt files or a .jsonl file"
+    """The files behind a --dataset/--val-path value, in a stable order: text (.txt, .jsonl,
+    .parquet, or a directory of one of those kinds) or token files (.bin, or a directory with
+    train.bin)."""
+    kinds = (("'synthetic', " if flag == "--dataset" else "") + "a .txt, .jsonl, .parquet or .bin file, or a "
+             "directory of .txt, .jsonl or .parquet files or with a train.bin")
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{flag} {path}: no such file or directory; use {kinds}")
     if p.is_dir():
-        files = sorted(f.resolve() for f in p.rglob("*.txt") if f.is_file())
-        if not files:
-            raise DataError(f"{flag} {path}: directory contains no .txt files; use {kinds}")
-        return files
-    if p.suffix not in (".txt", ".jsonl"):
+        if flag == "--dataset" and (p / "train.bin").is_file():
+            return [(p / "train.bin").resolve()]
+        found = {kind: sorted(f.resolve() for f in p.rglob("*" + kind) if f.is_file()) for kind in TEXT_KINDS}
+        found = {kind: files for kind, files in found.items() if files}
+        if len(found) > 1:
+            raise DataError(f"{flag} {path}: the directory holds {' and '.join(found)} files; keep one kind in it")
+        if not found:
+            raise DataError(f"{flag} {path}: directory contains no .txt, .jsonl or .parquet files; use {kinds}")
+        return next(iter(found.values()))
+    if p.suffix not in TEXT_KINDS + (".bin",):
         raise DataError(f"{flag} {path}: unsupported file extension '{p.suffix}'; use {kinds}")
     return [p.resolve()]
 
 
-def read_documents(path: Path):
-    """Yield each document of a source file as an iterable of lines that keep their line endings."""
+# --- reading the corpus in parts --------------------------------------------------------------------------------
+# A corpus is cut into parts that processes read and tokenise independently: byte ranges that end
+# at a line end ("\n") in a .txt or .jsonl file, row groups in a Parquet file. A .txt file is one
+# document over all its parts; a .jsonl line or a Parquet row is one document.
+
+
+class Part(typing.NamedTuple):
+    path: Path
+    lo: int  # first byte (a row group's index in a Parquet file)
+    hi: int  # end byte (the next row group's index)
+    size: int  # bytes of text, for the progress bar and the tokenizer's sample
+
+
+def parts_of(path: Path) -> list[Part]:
+    if path.suffix == ".parquet":
+        meta = parquet_file(path).metadata
+        return [Part(path, i, i + 1, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+    size, parts, lo = path.stat().st_size, [], 0
+    with open(path, "rb") as f:
+        while lo < size or not parts:  # an empty file is one empty part: an empty .txt is still a document
+            f.seek(min(lo + PART_BYTES, size))
+            hi = f.tell() + len(f.readline())  # after the next "\n", which always ends a line
+            parts.append(Part(path, lo, hi, hi - lo))
+            lo = hi
+    return parts
+
+
+def read_part(part: Part):
+    """(starts a document, its lines) for each stretch of text in the part; lines keep their endings,
+    read as open(path, encoding="utf-8", errors="replace") reads them."""
+    if part.path.suffix == ".parquet":
+        for text in parquet_texts(part):
+            yield True, text.splitlines(keepends=True)
+        return
+    with open(part.path, "rb") as f:
+        f.seek(part.lo)
+        raw = f.read(part.hi - part.lo)
     # errors="replace": one bad byte in a large scraped file should not abort hours of tokenizing.
-    with open(path, encoding="utf-8", errors="replace") as f:
-        if path.suffix != ".jsonl":
-            yield f  # a .txt file is one document, streamed line by line
-            return
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line).get("text")
-            except (json.JSONDecodeError, AttributeError):
-                text = None
-            if not isinstance(text, str):
-                raise DataError(f'{path} line {lineno}: not a JSON object with a "text" string; every line needs one')
-            yield text.splitlines(keepends=True)
+    lines = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors="replace")
+    if part.path.suffix == ".txt":
+        yield part.lo == 0, lines
+        return
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line).get("text")
+        except (json.JSONDecodeError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            lineno = line_number(part, raw, i)
+            raise DataError(f'{part.path} line {lineno}: not a JSON object with a "text" string; every line needs one')
+        yield True, text.splitlines(keepends=True)
 
 
-def has_text(paths: list[Path]) -> bool:
-    return any(line.strip() for path in paths for doc in read_documents(path) for line in doc)
+def line_number(part: Part, raw: bytes, i: int) -> int:
+    """The file's line number of line i of the part whose bytes are raw."""
+    with open(part.path, "rb") as f:
+        before = sum(block.count(b"\n") for block in iter(lambda: f.read(min(1 << 24, part.lo - f.tell())), b""))
+    return before + i + 1
+
+
+def parquet_file(path: Path):
+    """The Parquet file, checked: readable, with rows, and a string column "text"."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and OSError: a truncated or foreign file
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    names = pf.schema_arrow.names
+    if "text" not in names:
+        raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must be in "text"')
+    kind = pf.schema_arrow.field("text").type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DataError(f'{path}: column "text" holds {kind}, not strings')
+    if pf.metadata.num_rows == 0:
+        raise DataError(f"{path}: the shard is empty (no rows); remove it or write it again")
+    return pf
+
+
+def parquet_texts(part: Part) -> list[str]:
+    texts = parquet_file(part.path).read_row_group(part.lo, columns=["text"]).column(0).to_pylist()
+    if None in texts:
+        row = sum(parquet_file(part.path).metadata.row_group(i).num_rows for i in range(part.lo)) + texts.index(None)
+        raise DataError(f'{part.path} row {row}: "text" is null; every row needs a string')
+    return texts
+
+
+def has_text(parts: list[Part]) -> bool:
+    return any(line.strip() for part in parts for _, lines in read_part(part) for line in lines)
+
+
+def in_order(fn, items, workers: int, initializer=None, initargs=()):
+    """fn over items, results in order, on `workers` processes (in this one for a single item).
+    At most two results per worker wait to be taken, so memory does not grow with the corpus."""
+    if workers == 1 or len(items) <= 1:
+        if initializer:
+            initializer(*initargs)
+        yield from map(fn, items)
+        return
+    # fork: the workers need no imports and no pickled tokenizer, and they never touch a GPU.
+    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
+        pending = collections.deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) == 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def data_workers(cfg: DataConfig) -> int:
+    return cfg.data_workers or len(os.sched_getaffinity(0))
+
+
+def progress(parts: list[Part], what: str):
+    """A progress bar (MB done, MB/s, time left) that shows itself only when the work is long."""
+    return tqdm.tqdm(total=sum(p.size for p in parts), desc=f"data: {what}", unit="B", unit_scale=True,
+                     unit_divisor=1024, delay=10, mininterval=2)
+
+
+# --- identity of the inputs -------------------------------------------------------------------------------------
 
 
 def fingerprint(path: Path) -> dict:
@@ -277,6 +406,11 @@ def resolve_inputs(cfg: DataConfig):
     """Source files, validation files and the given tokenizer (or None), plus their fingerprints."""
     train = list_sources(cfg.dataset, "--dataset")
     val = list_sources(cfg.val_path, "--val-path") if cfg.val_path else []
+    if train[0].name == "train.bin" and not val and (train[0].parent / "val.bin").is_file():
+        val = [train[0].parent / "val.bin"]  # nanoGPT's layout: train.bin and val.bin side by side
+    if any(p.suffix == ".bin" for p in train + val) and {p.suffix for p in train + val} != {".bin"}:
+        raise DataError(f"--dataset {cfg.dataset} / --val-path {cfg.val_path}: token files (.bin) and text "
+                        "cannot be mixed; give both as .bin or both as text")
     model = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
     if model and not model.is_file():
         raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model or leave it empty")
@@ -304,13 +438,16 @@ def tokenizer_digest(sp: spm.SentencePieceProcessor) -> str:
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
-def data_digests(train_paths: list[Path], val_paths: list[Path], hashes: dict, sp) -> dict:
+def data_digests(train_paths: list[Path], val_paths: list[Path], hashes: dict, sp, workers: int) -> dict:
     """{source: digest} of what the rows are made of: each corpus file's bytes and the tokenizer's
     pieces. A resumed run compares them with its checkpoint's. Taken once, when the cache is built:
     a large corpus is then read anyway, and an unchanged one gives the same digests again."""
     files = [("corpus", p) for p in train_paths] + [("validation corpus", p) for p in val_paths]
-    digests = {f"{kind} {p}": hashes.get(str(p)) or file_sha256(p) for kind, p in files}
-    digests["tokenizer"] = tokenizer_digest(sp)
+    unhashed = [p for _, p in files if str(p) not in hashes]
+    hashes = {**hashes, **dict(zip(map(str, unhashed), in_order(file_sha256, unhashed, workers)))}
+    digests = {f"{kind} {p}": hashes[str(p)] for kind, p in files}
+    if sp is not None:
+        digests["tokenizer"] = tokenizer_digest(sp)
     return digests
 
 
@@ -324,8 +461,18 @@ def cache_dir_for(cfg: DataConfig) -> Path:
     key = {"format": FORMAT_VERSION, "dataset": absolute(cfg.dataset), "val_path": absolute(cfg.val_path),
            "val_fraction": None if cfg.val_path else cfg.val_fraction,
            "tokenizer": absolute(cfg.tokenizer) or [cfg.tokenizer_type, cfg.tokenizer_vocab_size]}
+    if Path(cfg.dataset).suffix == ".bin" or (Path(cfg.dataset) / "train.bin").is_file():
+        key["token_files"] = [cfg.token_dtype, cfg.tokenizer_vocab_size]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return Path(cfg.cache_dir) / f"{Path(cfg.dataset).stem}-{digest}"
+
+
+def token_files(out: Path, manifest: dict) -> dict:
+    """{split: (file, first token, tokens)}: the cache's own .bin files, or the given token files."""
+    if "token_files" in manifest:
+        return {name: (Path(f), lo, n) for name, (f, lo, n) in manifest["token_files"].items()}
+    return {"train": (out / "train.bin", 0, manifest["train_tokens"]),
+            "val": (out / "val.bin", 0, manifest["val_tokens"])}
 
 
 def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
@@ -340,29 +487,42 @@ def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
     if hashes is not None and manifest.get("sha256") != hashes:
         return None
     itemsize = np.dtype(manifest["dtype"]).itemsize
-    for name in ("train", "val"):
-        f = out / f"{name}.bin"
-        if not f.is_file() or f.stat().st_size != manifest[f"{name}_tokens"] * itemsize:
+    for f, lo, n in token_files(out, manifest).values():
+        if not f.is_file() or f.stat().st_size < (lo + n) * itemsize:
             return None
-    return manifest if Path(manifest["tokenizer_path"]).is_file() else None
+    return manifest if not manifest["tokenizer_path"] or Path(manifest["tokenizer_path"]).is_file() else None
 
 
-def training_sentences(paths: list[Path]):
-    for path in paths:
-        for doc in read_documents(path):
-            for line in doc:
-                line = line.rstrip("\r\n")
-                if line.strip():
-                    yield line
+# --- the tokenizer -------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(cfg: DataConfig, paths: list[Path], out: Path) -> Path:
-    print(f"data: training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} tokens) on {len(paths)} files")
+def part_sentences(part: Part) -> list[str]:
+    """The non-blank lines of a part, without their line endings: what the tokenizer trains on."""
+    return [line.rstrip("\r\n") for _, lines in read_part(part) for line in lines if line.strip()]
+
+
+def tokenizer_sample(parts: list[Part]) -> list[Part]:
+    """The whole corpus when it holds at most TOKENIZER_SAMPLE_BYTES, else that many bytes' worth of
+    parts spread evenly over it: a tokenizer learns no more from a larger sample."""
+    total = sum(p.size for p in parts)
+    if total <= TOKENIZER_SAMPLE_BYTES:
+        return parts
+    keep = max(1, len(parts) * TOKENIZER_SAMPLE_BYTES // total)
+    return [parts[i * len(parts) // keep] for i in range(keep)]
+
+
+def train_tokenizer(cfg: DataConfig, parts: list[Part], out: Path) -> Path:
+    sample = tokenizer_sample(parts)
+    workers = data_workers(cfg)
+    mb = sum(p.size for p in sample) / 2**20
+    print(f"data: training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} tokens) on {mb:.0f} MB "
+          f"of {len({p.path for p in parts})} files, with {workers} processes")
     errors = []  # sentencepiece turns exceptions from the iterator into a generic RuntimeError; keep ours
 
     def sentences():
         try:
-            yield from training_sentences(paths)
+            for lines in in_order(part_sentences, sample, workers):
+                yield from lines
         except DataError as e:
             errors.append(e)
             raise
@@ -380,7 +540,7 @@ def train_tokenizer(cfg: DataConfig, paths: list[Path], out: Path) -> Path:
             normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
             user_defined_symbols=["\n"],
             input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=16384,
-            num_threads=THREADS, minloglevel=2)
+            num_threads=workers, minloglevel=2)
     except RuntimeError as e:
         if errors:
             raise errors[0] from None
@@ -397,30 +557,53 @@ def tokenizer_error(cfg: DataConfig, message: str) -> str:
     return f"{flags}: sentencepiece could not train a tokenizer: {message.splitlines()[0].rsplit('] ', 1)[-1]}"
 
 
+# --- tokenising ----------------------------------------------------------------------------------------------------
+
+_worker_sp = None  # the tokenizer of this process, once start_worker has loaded it
+
+
+def start_worker(model: str) -> None:
+    global _worker_sp
+    _worker_sp = spm.SentencePieceProcessor(model_file=model, num_threads=1)  # the processes are the parallelism
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def encode_part(part: Part) -> np.ndarray:
+    """The token ids of a part, each document that starts in it preceded by the separator (EOS, else
+    "\\n"); write_tokens drops the stream's first, so documents are joined by one separator."""
+    sp = _worker_sp
+    ids = array.array("i")
+    for starts, lines in read_part(part):
+        if starts:
+            ids.extend(separator(sp))
+        for batch in batched(lines, ENCODE_LINES):
+            for line_ids in sp.encode(batch):
+                ids.extend(line_ids)
+    return np.frombuffer(ids, np.int32).astype(token_dtype(sp.vocab_size()))
+
+
+def separator(sp) -> list[int]:
+    return [sp.eos_id()] if sp.eos_id() >= 0 else sp.encode("\n")
+
+
 def batched(iterable, n: int):
     it = iter(iterable)
     return iter(lambda: list(islice(it, n)), [])
 
 
-def token_chunks(sp: spm.SentencePieceProcessor, paths: list[Path]):
-    """Token ids of the documents in `paths` as a stream of arrays, documents separated by EOS."""
-    separator = np.array([sp.eos_id()] if sp.eos_id() >= 0 else sp.encode("\n"), np.int64)
-    first = True
-    for path in paths:
-        for doc in read_documents(path):
-            if not first:
-                yield separator
-            first = False
-            for batch in batched(doc, ENCODE_LINES):
-                yield np.fromiter(chain.from_iterable(sp.encode(batch, num_threads=THREADS)), np.int64)
-
-
-def write_tokens(sp, paths: list[Path], dest: Path, dtype) -> int:
-    n = 0
+def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, bar) -> int:
+    """Tokenise the parts into dest, in order, on `workers` processes; returns the number of tokens."""
+    n, skip = 0, len(separator(sp))  # the stream starts with a separator: drop it
     with open(dest, "wb") as f:
-        for chunk in token_chunks(sp, paths):
-            chunk.astype(dtype).tofile(f)
-            n += len(chunk)
+        for part, tokens in zip(parts, in_order(encode_part, parts, workers, start_worker, (str(model),))):
+            kept = tokens[skip:]
+            kept.tofile(f)
+            n += len(kept)
+            skip = max(0, skip - len(tokens))
+            bar.update(part.size)
     return n
 
 
@@ -432,6 +615,11 @@ def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
             np.asarray(tokens[i:min(i + (1 << 24), n_total)]).tofile(f)
     del tokens
     os.truncate(src, (n_total - n_tail) * np.dtype(dtype).itemsize)
+
+
+def held_out(cfg: DataConfig, n: int) -> int:
+    """Tokens of the --val-fraction held out from a stream of n."""
+    return min(n, max(1, math.ceil(n * cfg.val_fraction)))
 
 
 def check_lengths(cfg: DataConfig, manifest: dict, val_given: bool) -> None:
@@ -499,16 +687,22 @@ def prepare_data(cfg: DataConfig) -> None:
     if manifest := valid_manifest(out, inputs, hashes):
         check_lengths(cfg, manifest, bool(val_paths))
         return
-    for flag, value, paths in (("--dataset", cfg.dataset, train_paths), ("--val-path", cfg.val_path, val_paths)):
-        if paths and not has_text(paths):
-            raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with text in them")
+    sources = {"train": train_paths, "val": val_paths, "model": model}
+    if train_paths[0].suffix == ".bin":
+        build = check_token_files
+    else:
+        build = build_cache
+        sources["parts"] = {split: [part for p in sources[split] for part in parts_of(p)] for split in ("train", "val")}
+        for flag, value, split in (("--dataset", cfg.dataset, "train"), ("--val-path", cfg.val_path, "val")):
+            if sources[split] and not has_text(sources["parts"][split]):
+                raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with text in them")
     created = missing_dirs(out.parent)
     prefix = f".tmp-{out.name}-{socket.gethostname()}-"
     tmp = out.with_name(f"{prefix}{os.getpid()}")
     try:
         remove_dead_builds(out.parent, prefix)
         tmp.mkdir(parents=True)
-        manifest = build_cache(cfg, (train_paths, val_paths, model), {"inputs": inputs, "sha256": hashes}, tmp, out)
+        manifest = build(cfg, sources, {"inputs": inputs, "sha256": hashes}, tmp, out)
         check_lengths(cfg, manifest, bool(val_paths))
         publish(tmp, out)
     except BaseException:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing behind
@@ -521,29 +715,73 @@ def prepare_data(cfg: DataConfig) -> None:
         raise
 
 
-def build_cache(cfg, sources, identity: dict, tmp: Path, out: Path) -> dict:
+def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
     """Tokenizer (trained unless given), train.bin, val.bin and manifest.json, written into tmp
-    for the final directory `out`. `sources`: (training files, validation files, the given
-    tokenizer or None); `identity`: the manifest's inputs and sha256. Returns the manifest."""
-    train_paths, val_paths, model = sources
-    model = model or train_tokenizer(cfg, train_paths, tmp)
+    for the final directory `out`. `sources`: the training and validation files and their parts,
+    and the given tokenizer or None; `identity`: the manifest's inputs and sha256. Returns the manifest."""
+    parts, workers = sources["parts"], data_workers(cfg)
+    model = sources["model"] or train_tokenizer(cfg, parts["train"], tmp)
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    dtype = np.uint16 if sp.vocab_size() < 2**16 else np.uint32
-    print(f"data: tokenizing {len(train_paths) + len(val_paths)} files into {out}")
-    n_train = write_tokens(sp, train_paths, tmp / "train.bin", dtype)
-    if val_paths:
-        n_val = write_tokens(sp, val_paths, tmp / "val.bin", dtype)
-    else:
-        n_val = min(n_train, max(1, math.ceil(n_train * cfg.val_fraction)))
+    dtype = token_dtype(sp.vocab_size())
+    print(f"data: tokenizing {len(sources['train']) + len(sources['val'])} files into {out} with {workers} processes")
+    with progress(parts["train"] + parts["val"], "tokenising") as bar:
+        n_train = write_tokens(sp, model, parts["train"], tmp / "train.bin", workers, bar)
+        if parts["val"]:
+            n_val = write_tokens(sp, model, parts["val"], tmp / "val.bin", workers, bar)
+    if not parts["val"]:
+        n_val = held_out(cfg, n_train)
         split_tail(tmp / "train.bin", tmp / "val.bin", dtype, n_train, n_val)
         n_train -= n_val
-    digests = data_digests(train_paths, val_paths, identity["sha256"], sp)
+    digests = data_digests(sources["train"], sources["val"], identity["sha256"], sp, workers)
     settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
     tokenizer_path = model if cfg.tokenizer else out / model.name  # where the trained one will be after the rename
     manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": settings,
                 "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
-                "train_tokens": n_train, "val_tokens": n_val, "val_fraction": None if val_paths else cfg.val_fraction,
-                "digests": digests}
+                "train_tokens": n_train, "val_tokens": n_val,
+                "val_fraction": None if parts["val"] else cfg.val_fraction, "digests": digests}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def largest_id(chunk) -> int:
+    path, dtype, lo, hi = chunk
+    return int(np.memmap(path, dtype=dtype, mode="r", offset=lo * np.dtype(dtype).itemsize, shape=(hi - lo,)).max())
+
+
+def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
+    """The manifest of token files written elsewhere (nanoGPT's flat train.bin and val.bin), used
+    where they are, not copied. Checked, not trusted: every id must be below the vocabulary, read on
+    every core at disk speed."""
+    dtype, model = np.dtype(cfg.token_dtype), sources["model"]
+    sp = spm.SentencePieceProcessor(model_file=str(model)) if model else None
+    vocab = sp.vocab_size() if sp else cfg.tokenizer_vocab_size
+    counts = {}
+    for path in sources["train"] + sources["val"]:
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; "
+                            "check --token-dtype (uint16 or uint32)")
+        counts[path] = size // dtype.itemsize
+    step = PART_BYTES // dtype.itemsize
+    chunks = [(str(p), dtype.name, lo, min(n, lo + step)) for p, n in counts.items() for lo in range(0, n, step)]
+    print(f"data: checking {sum(counts.values())} tokens of {len(counts)} token files against the vocabulary "
+          f"({vocab})")
+    for chunk, top in zip(chunks, in_order(largest_id, chunks, data_workers(cfg))):
+        if top >= vocab:
+            raise DataError(f"{chunk[0]}: token id {top} is not below the vocabulary size {vocab}; give the "
+                            "--tokenizer-vocab-size (or --tokenizer) of the tokenizer that wrote it, and its "
+                            "--token-dtype")
+    train = sources["train"][0]
+    if sources["val"]:
+        files = {"train": [str(train), 0, counts[train]], "val": [str(sources["val"][0]), 0, counts[sources["val"][0]]]}
+    else:
+        n_val = held_out(cfg, counts[train])
+        files = {"train": [str(train), 0, counts[train] - n_val], "val": [str(train), counts[train] - n_val, n_val]}
+    manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": {}, "tokenizer_path": str(model or ""),
+                "vocab_size": vocab, "dtype": dtype.name, "train_tokens": files["train"][2],
+                "val_tokens": files["val"][2], "val_fraction": None if sources["val"] else cfg.val_fraction,
+                "digests": data_digests(sources["train"], sources["val"], identity["sha256"], sp, data_workers(cfg)),
+                "token_files": files}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -577,8 +815,60 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
         raise DataError(f"--dataset {cfg.dataset}: no valid token cache in {out} (missing, or the corpus or "
                         "tokenizer changed); run prepare_data first")
     check_lengths(cfg, manifest, bool(val_paths))
-    seq_len = cfg.seq_len or TEXT_SEQ_LEN
-    train, val = (np.memmap(out / f"{name}.bin", dtype=manifest["dtype"], mode="r") for name in ("train", "val"))
-    sp = spm.SentencePieceProcessor(model_file=manifest["tokenizer_path"])
-    return Dataset(train, val, seq_len, seq_len, sp.vocab_size(), seed, (sp, manifest["tokenizer_path"]),
+    seq_len, dtype = cfg.seq_len or TEXT_SEQ_LEN, np.dtype(manifest["dtype"])
+    train, val = (np.memmap(f, dtype=dtype, mode="r", offset=lo * dtype.itemsize, shape=(n,))
+                  for f, lo, n in token_files(out, manifest).values())
+    path = manifest["tokenizer_path"]
+    sp = spm.SentencePieceProcessor(model_file=path) if path else None
+    return Dataset(train, val, seq_len, seq_len, manifest["vocab_size"], seed, (sp, path),
                    shift_windows=True, digests=manifest["digests"])
+
+
+def main(argv=None) -> int:
+    """python data.py: build the token cache that train_fsdp.py with the same data flags builds, as a
+    CPU job ahead of the training job (docs/data.md)."""
+    parser = argparse.ArgumentParser(
+        description="Build the token cache that train_fsdp.py builds for the same data flags (its [data] section), "
+                    "on this machine's cores, ahead of the training job.")
+    parser.add_argument("--config", default="", help="TOML file whose [data] table sets these flags, as the "
+                        "trainer's --config (the command line wins)")
+    for f in dataclasses.fields(DataConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=argparse.SUPPRESS,
+                            choices=f.metadata["choices"], help=f.metadata["help"])
+    args = vars(parser.parse_args(argv))
+    try:
+        values = config_data_table(args.pop("config"))
+        cfg = DataConfig(**{**values, **args})
+        prepare_data(cfg)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.dataset in ("synthetic", "random"):
+        print(f"data: --dataset {cfg.dataset} is generated by every run; there is nothing to build")
+    else:
+        print(f"data: the token cache is ready in {cache_dir_for(cfg)}")
+    return 0
+
+
+def config_data_table(path: str) -> dict:
+    """The [data] table of a trainer's --config file, checked against DataConfig's fields."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f).get("data", {})
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise DataError(f"--config {path}: {e}") from None
+    fields = {f.name: f for f in dataclasses.fields(DataConfig)}
+    for key, value in table.items():
+        if key not in fields:
+            raise DataError(f"--config {path}: [data] has no setting '{key}'; valid: {', '.join(fields)}")
+        want = type(fields[key].default)
+        if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
+            if not (want is float and isinstance(value, int)):
+                raise DataError(f"--config {path}: [data] {key} = {value!r} must be a {want.__name__}")
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

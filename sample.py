@@ -241,6 +241,9 @@ def main(argv=None):
     try:
         model, ckpt = load_model(args.ckpt, device)
         sp = data_lib.load_tokenizer(ckpt["tokenizer"])
+        if sp is None and ckpt["config"]["data"]["dataset"] not in ("synthetic", "random"):
+            fail(f"the run's data ({ckpt['config']['data']['dataset']}) came without a tokenizer, so its ids have "
+                 "no text: train with --tokenizer MODEL (the SentencePiece model that wrote them) to sample")
     except (FileNotFoundError, data_lib.DataError) as e:
         fail(e)
     try:

@@ -37,6 +37,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import tomllib
 import typing
@@ -227,6 +228,8 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal,
 # Below this many parameters a step is more host time than kernels (one_unit, compile_mode, docs/performance.md).
 ONE_UNIT_BELOW = 100_000_000
 USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before a run of this process sets it
+# A collective that waits longer fails. rank0_does keeps the others waiting for longer work.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
 # state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
@@ -305,9 +308,10 @@ class BatchSource(typing.Protocol):
 
 
 def load_dataset(cfg, rank) -> BatchSource:
-    """Rank 0 tokenises and caches; everyone then opens the cache read-only. Bad settings: BadInput."""
+    """Rank 0 tokenises and caches (with every core of its node); everyone then opens the cache
+    read-only. Bad settings: BadInput."""
     data_lib = project_module("data")
-    rank0_does(lambda: data_lib.prepare_data(cfg.data), rank)
+    rank0_does(lambda: data_lib.prepare_data(cfg.data), rank, what="building the token cache")
     try:
         return data_lib.open_dataset(cfg.data, cfg.train.seed)
     except data_lib.DataError as e:
@@ -367,12 +371,12 @@ def setup_distributed(cfg):
     owner = not dist.is_initialized()  # a caller (e.g. a test driver) may have set up the group already
     if owner:  # FSDP and DDP need a group even for one process: then an in-memory store, which needs no port
         dist.init_process_group(group_backends(cfg, backend), store=dist.HashStore() if world == 1 else None,
-                                rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30),
+                                rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT,
                                 device_id=device if backend == "nccl" and world > 1 else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
     # Control messages (stop flags, errors) go through gloo on the CPU: reading them never waits for the GPU.
-    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else dist.group.WORLD
     return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world, device=device,
                     backend=backend, owner=owner, control=control)
 
@@ -389,19 +393,35 @@ def hybrid_shard_size(cfg, topo):
     return cfg.fsdp.hybrid_shard_size or topo.local_world
 
 
-def rank0_does(fn, rank, failure=BadInput):
-    """Run fn on rank 0 only (file-system work); every rank returns its result or raises
-    failure(its error), so that no rank is left waiting alone at the next collective."""
-    out = [None, None]  # error, result
+def rank0_does(fn, rank, failure=BadInput, what="its file work"):
+    """Run fn on rank 0 only (file-system work: a token cache, a checkpoint's files); every rank
+    returns its result or raises failure(its error), so that no rank is left waiting alone at the
+    next collective. However long fn takes, no collective times out: rank 0 runs it in a thread and
+    tells the others every tenth of COLLECTIVE_TIMEOUT that it is still at work."""
+    box = [None, None]  # error, result
     if rank == 0:
-        try:
-            out[1] = fn()
-        except Exception as e:  # anything (a full disk, a file that is not a checkpoint) must stop every rank
-            out[0] = error_line(e)
-    dist.broadcast_object_list(out, src=0)
-    if out[0]:
-        raise failure(out[0])
-    return out[1]
+        work = threading.Thread(target=run_into, args=(fn, box), daemon=True)
+        work.start()
+    for beat in itertools.count():
+        if rank == 0:
+            work.join(COLLECTIVE_TIMEOUT.total_seconds() / 10)
+        message = [work.is_alive() if rank == 0 else None, *box]  # still working, error, result
+        dist.broadcast_object_list(message, src=0)
+        if not message[0]:
+            break
+        node_first = rank - launch_env()[2]
+        if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of each node says it once
+            print(f"rank {rank}: waiting for rank 0 ({what}), with no time limit", flush=True)
+    if message[1]:
+        raise failure(message[1])
+    return message[2]
+
+
+def run_into(fn, box):
+    try:
+        box[1] = fn()
+    except Exception as e:  # anything (a full disk, a file that is not a checkpoint) must stop every rank
+        box[0] = error_line(e)
 
 
 def any_rank_error(error, topo):

@@ -143,7 +143,7 @@ def test_unigram_tokenizer_gives_the_same_ids(runs):
     tmp = runs["tmp"]
     cfg = data_lib.DataConfig(dataset=str(tmp / "corpus.txt"), tokenizer_type="unigram", tokenizer_vocab_size=400)
     (tmp / "unigram").mkdir()
-    model = data_lib.train_tokenizer(cfg, [tmp / "corpus.txt"], tmp / "unigram")
+    model = data_lib.train_tokenizer(cfg, data_lib.parts_of(tmp / "corpus.txt"), tmp / "unigram")
     convert_to_hf.hf_tokenizer(str(model)).save_pretrained(tmp / "hf-unigram")
     check_ids(tmp / "hf-unigram", str(model), PROBES[:-1] + [corpus_text(60, seed=2)])
 

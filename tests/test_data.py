@@ -451,19 +451,21 @@ def raises_one_line(match, fn, *args):
 
 
 def test_missing_dataset_path(tmp_path):
-    raises_one_line(r"--dataset .*nope\.txt: no such file or directory; use 'synthetic', a \.txt file", prepare_data,
+    raises_one_line(r"--dataset .*nope\.txt: no such file or directory; use 'synthetic', a \.txt, \.jsonl, "
+                    r"\.parquet or \.bin file", prepare_data,
                     text_cfg(tmp_path, tmp_path / "nope.txt"))
 
 
 def test_unsupported_extension(tmp_path):
     (tmp_path / "table.csv").write_text("a,b\n")
     cfg = text_cfg(tmp_path, tmp_path / "table.csv")
-    raises_one_line(r"unsupported file extension '\.csv'; use 'synthetic', a \.txt file", prepare_data, cfg)
+    raises_one_line(r"unsupported file extension '\.csv'; use 'synthetic', a \.txt, \.jsonl", prepare_data, cfg)
 
 
 def test_directory_without_txt_files(tmp_path):
     (tmp_path / "empty").mkdir()
-    raises_one_line(r"contains no \.txt files", prepare_data, text_cfg(tmp_path, tmp_path / "empty"))
+    raises_one_line(r"contains no \.txt, \.jsonl or \.parquet files", prepare_data,
+                    text_cfg(tmp_path, tmp_path / "empty"))
 
 
 def test_empty_corpus(tmp_path):

@@ -42,7 +42,7 @@ def test_a_deleted_cache_rebuilt_on_another_machine_keeps_its_digests(tmp_path, 
     cfg = text_cfg(tmp_path, corpus_file)
     before, model_before = digests(cfg)
     shutil.rmtree(tmp_path / "cache")
-    monkeypatch.setattr(data, "THREADS", data.THREADS + 3)  # recorded in the tokenizer file
+    cfg.data_workers = data.data_workers(cfg) + 3  # the tokenizer's threads, recorded in its file
     after, model_after = digests(cfg)
     assert model_after != model_before
     assert after == before

@@ -29,7 +29,7 @@ DOCS = {path: read(path) for path in ["README.md"] + sorted(glob.glob("docs/*.md
 PAGES = {**DOCS, "BENCHMARKS.md": read("BENCHMARKS.md")}
 FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*"
 SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue", "--cpus-per-task", "--batch",
-                "--wait", "--nnodes"}
+                "--wait", "--nnodes", "--ntasks", "--mem", "--wrap"}
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
 PIP_FLAGS = {"--index-url"}
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
