@@ -10,6 +10,7 @@ samples. `python data.py --dataset ...` builds the same cache as a job of its ow
 import argparse
 import array
 import collections
+import concurrent.futures
 import dataclasses
 import errno
 import hashlib
@@ -361,14 +362,19 @@ def in_order(fn, items, workers: int, initializer=None, initargs=()):
         yield from map(fn, items)
         return
     # fork: the workers need no imports and no pickled tokenizer, and they never touch a GPU.
-    with multiprocessing.get_context("fork").Pool(workers, initializer, initargs) as pool:
+    fork = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(workers, fork, initializer, initargs) as pool:
         pending = collections.deque()
-        for item in items:
-            pending.append(pool.apply_async(fn, (item,)))
-            if len(pending) == 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) == 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # an error, or a reader that stops early: what has not started never will
+            for future in pending:
+                future.cancel()
 
 
 def data_workers(cfg: DataConfig) -> int:

@@ -144,7 +144,7 @@ def test_memory_stays_flat_at_most_two_parts_per_worker_wait(monkeypatch):
     """in_order() keeps at most two results per worker waiting, however many parts there are."""
     waiting = []
 
-    class Pool:
+    class Executor:
         def __init__(self, *args):
             self.pending = 0
 
@@ -154,20 +154,35 @@ def test_memory_stays_flat_at_most_two_parts_per_worker_wait(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-        def apply_async(self, fn, args):
+        def submit(self, fn, arg):
             self.pending += 1
             waiting.append(self.pending)
             pool = self
 
-            class Result:
-                def get(self):
+            class Future:
+                def result(self):
                     pool.pending -= 1
-                    return fn(*args)
-            return Result()
+                    return fn(arg)
 
-    monkeypatch.setattr(data.multiprocessing, "get_context", lambda kind: type("Ctx", (), {"Pool": Pool}))
+                def cancel(self):
+                    pool.pending -= 1
+            return Future()
+
+    monkeypatch.setattr(data.concurrent.futures, "ProcessPoolExecutor", Executor)
     assert list(data.in_order(lambda x: x * x, list(range(100)), 3)) == [x * x for x in range(100)]
     assert max(waiting) == 6
+
+
+def test_a_worker_s_error_stops_the_build_at_once(tmp_path, monkeypatch):
+    """A bad line found by one of 2 processes is the build's error; the processes end with it."""
+    monkeypatch.setattr(data, "PART_BYTES", 200)
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": english(3, seed=i)}) for i in range(200)]
+    lines[150] = '{"body": "no text"}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(data.DataError, match=r"docs\.jsonl line 151: not a JSON object"):
+        data.prepare_data(text_cfg(tmp_path, path, data_workers=2))
+    assert not (tmp_path / "cache").exists()
 
 
 def test_data_py_builds_the_cache_the_run_reads(tmp_path):
