@@ -395,9 +395,9 @@ def hybrid_shard_size(cfg, topo):
 
 def rank0_does(fn, rank, failure=BadInput, what="its file work"):
     """Run fn on rank 0 only (file-system work: a token cache, a checkpoint's files); every rank
-    returns its result or raises failure(its error), so that no rank is left waiting alone at the
-    next collective. However long fn takes, no collective times out: rank 0 runs it in a thread and
-    tells the others every tenth of COLLECTIVE_TIMEOUT that it is still at work."""
+    returns its result or raises failure(its error), so that no rank is left waiting alone. However
+    long fn takes, no collective times out: rank 0 runs it in a thread and says every tenth of
+    COLLECTIVE_TIMEOUT that it is still at work."""
     box = [None, None]  # error, result
     if rank == 0:
         work = threading.Thread(target=run_into, args=(fn, box), daemon=True)
@@ -442,7 +442,8 @@ def error_line(e):
 
 # =============================================================================================
 # Wrapping: the model on its device as FSDP1 or FSDP2 units, DDP or plain. Each distributed choice
-# below is one function that branches on the strategy; nothing else reads cfg.train.strategy.
+# below is one function that branches on the strategy (the checks and defaults it resolves are in
+# check_strategy and resolve_strategy, with the command line).
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
@@ -746,11 +747,13 @@ def hidden_matrices(model, wrap_classes):
             for n, p in m.named_parameters() if p.dim() == 2}
 
 
-def build_optimizer(model, cfg, lr, device, decay_names, hidden=()):
-    """AdamW, decaying the parameters in decay_names; under --optimizer muon the `hidden` matrices take Muon.
-    Under --no-use-orig-params FSDP1 flattens each unit into one FlatParameter, so decay goes to all."""
-    t, named = cfg.train, [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    hidden = hidden if t.optimizer == "muon" else ()
+def build_optimizer(model, cfg, lr, device, about):
+    """AdamW, decaying the parameters in about["decay_names"]; under --optimizer muon the hidden
+    matrices (about["hidden"]) take Muon. Under --no-use-orig-params FSDP1 flattens each unit into
+    one FlatParameter, so decay goes to all."""
+    t, decay_names = cfg.train, about["decay_names"]
+    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = about["hidden"] if t.optimizer == "muon" else ()
     if any(n.endswith("_flat_param") for n, _ in named):
         groups = [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
     else:
@@ -766,48 +769,13 @@ def build_optimizer(model, cfg, lr, device, decay_names, hidden=()):
     return optimizer
 
 
-class Muon(torch.optim.AdamW):
-    """AdamW, but a group with "muon" (the dtype of Newton-Schulz) takes Nesterov momentum orthogonalised and scaled to
-    AdamW's update RMS (0.2 sqrt(max(rows, cols)), torch's match_rms_adamw). One optimizer keeps the schedule, the
-    scaler and checkpoints as they are; torch.optim.Muon takes 2-D tensors only and would orthogonalise shards."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for g in (g for g in self.param_groups if g.get("muon")):
-            params, lr = [p for p in g["params"] if p.grad is not None], g["lr"] * g["lr_ratio"]
-            for key in dict.fromkeys(keys := [(p.shape, getattr(p, "placements", None)) for p in params]):
-                batch = [p for p, k in zip(params, keys) if k == key]  # a shape's matrices: one batch of kernels
-                for p, update in zip(batch, orthogonalised([self.nesterov(p) for p in batch], DTYPES[g["muon"]])):
-                    p.mul_(1 - lr * g["weight_decay"]).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
-                    p.grad = None  # AdamW's step skips it
-        return super().step(closure)
-
-    def nesterov(self, p):
-        state = self.state[p]
-        if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
-            state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
-        state["step"] += 1
-        return p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95)  # Nesterov momentum, 0.95
-
-
-def orthogonalised(updates, dtype, steps=5):
-    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, returned in
-    `dtype`. Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
-    orthogonalises 1/world of the matrices whole, once, and trades the results back into row shards."""
-    u, x = updates[0], torch.stack(updates).to(dtype)  # traded in `dtype` too: half the bytes of fp32
-    if isinstance(u, DTensor):
-        x = x.redistribute(placements=[Shard(0) if isinstance(p, Shard) else p for p in x.placements])
-    y = x.to_local() if isinstance(x, DTensor) else x
-    y = (y.mT if x.size(1) > x.size(2) else y) / (y.norm(dim=(1, 2), keepdim=True) + 1e-7)  # Gram of the short side
-    for _ in range(steps):  # y = a y + (b G + c G^2) y with G = y y^T, the scalings fused into the products
-        gram = y @ y.mT
-        y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), y, beta=3.4445)
-    y = y.mT if x.size(1) > x.size(2) else y
-    if not isinstance(u, DTensor):
-        return y
-    y = DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
-    y = y.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in x.placements]).to_local()
-    return [DTensor.from_local(o, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()) for o in y]
+def schedule_length(t, saved):
+    """--lr-decay-steps when 0: the schedule's length is the first launch's, so a resume keeps it
+    (`saved`: that run's train settings); a new run takes it from --max-steps."""
+    for steps in (t.lr_decay_steps, saved.get("lr_decay_steps"), saved.get("max_steps")):
+        if steps:
+            return steps
+    return t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5)
 
 
 def lr_at(step, peak, cfg, max_steps):
@@ -905,16 +873,22 @@ def all_reduce_scalars(values, device, op=dist.ReduceOp.SUM):
 
 class NonFinite:
     """The first step whose loss (or gradient norm) is not finite, kept on the device without a sync
-    per step and checked on every rank (a collective) at log steps and before every save."""
+    per step and checked on every rank (a collective) at log steps and before every save. Under fp16
+    the scaler owns non-finite gradients; under --skip-nonfinite the step is skipped and said."""
 
     NEVER = 2 ** 62
 
-    def __init__(self, device):
+    def __init__(self, device, log, cfg, scaler):
         self.first = torch.tensor(self.NEVER, device=device)
+        self.log, self.skips, self.scaled = log, cfg.train.skip_nonfinite, scaler is not None
 
-    def note(self, step, loss, grad_norm=None):
+    def note(self, step, loss, grad_norm, skipped):
+        if skipped:
+            self.log.line(f"step {step}: gradient norm {float(grad_norm)}, optimizer step skipped")
+        if skipped or self.skips:
+            return
         finite = torch.isfinite(loss)
-        if grad_norm is not None:
+        if not self.scaled:
             finite &= torch.isfinite(grad_norm.to(loss.device))
         self.first = torch.where(~finite & (self.first == self.NEVER), step, self.first)
 
@@ -931,77 +905,55 @@ class NonFinite:
 # main: one run, in the order of the file
 
 
-def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None, data_config=None):
+def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None,
+         data_config=None):
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
     if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
-        if len(argv) != 2:
-            raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-        return export_checkpoint(argv[1])
-    cfg, build_model, compute_loss, load_dataset = parse_with_seams(argv, build_model, compute_loss, load_dataset,
-                                                                   model_config, data_config)
+        return export_command(argv)
+    cfg, build_model, compute_loss, load_dataset = parse_with_seams(
+        argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
     check_world(cfg, topo)
     data = load_dataset(cfg, topo.rank)
     clock.lap("setup and data")
     resolve_config(cfg, topo, data)
-    topo = dataclasses.replace(topo, mesh=device_mesh(cfg, topo))  # the mesh follows the resolved strategy
+    topo = dataclasses.replace(topo, mesh=device_mesh(cfg, topo))  # the resolved strategy's mesh
     plan = plan_run(cfg, topo, data)
-    t, c = cfg.train, cfg.checkpoint
+    t = cfg.train
 
     torch.manual_seed(t.seed)  # the same seed on every rank: unwrapped replicas start identical
     with torch.device("meta") if cfg.fsdp.meta_init else contextlib.nullcontext():
         model, wrap_classes, ckpt_classes = build_model(cfg)
     name_run_dir(cfg, model)
     keep_compile_cache(cfg)
-    if c.init_from:  # a bad path or shape fails before anything is written
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        rank0_does(lambda: check_init_from(c.init_from, shapes), topo.rank)
-    about = describe_model(model, plan, wrap_classes)  # before wrapping: the plain model's names and counts
+    check_init_from_shapes(cfg, model, topo)  # a bad path or shape fails before anything is written
+    about = describe_model(model, plan, wrap_classes)  # the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     clock.lap("model and wrapping")
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
-    optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about["decay_names"], about["hidden"])
+    optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about)
     scaler = grad_scaler(cfg, topo.device)
     start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, notes)
-    rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refused checkpoint changed nothing
+    rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refusal changed nothing
     clock.lap("run directory and checkpoint")
-    log = RunLog(t.out_dir, topo.rank)
-    for note in notes:
-        log.line(note)
-    log_summary(log, cfg, topo, plan, model, about, data.n_val)
-    log.start_trackers(cfg, start_step)
+    log = start_log(cfg, topo, plan, model, about, data.n_val, notes, start_step)
 
     checkpointer = Checkpointer(cfg, topo, log, data, scaler)
-    stopper, nonfinite, meter = Stopper(topo, log), NonFinite(topo.device), Meter(topo, plan, about["flops"])
-    # The bar is for a terminal: in a Slurm or redirected log its redraws would fill the file with one line.
-    bar = tqdm(total=plan.max_steps, initial=start_step, disable=topo.rank != 0 or not sys.stderr.isatty(),
-               dynamic_ncols=True, desc="train")
-    profiler = None
-    if t.profile:  # a Chrome trace of steps 2-4 per rank in the run directory
-        trace = os.path.join(t.out_dir, f"trace_rank{topo.rank}.json")
-        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-                                          on_trace_ready=lambda p: p.export_chrome_trace(trace))
-        profiler.start()
-    val = {}  # the last validation
-    if start_step >= plan.max_steps:  # a resume of a finished run: evaluated (every rank), nothing trained
-        log.line(f"{t.out_dir} already finished at step {start_step} (max_steps {plan.max_steps}): nothing to "
-                 "train; pass a larger --max-steps to continue it")
-        val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
+    stopper, nonfinite = Stopper(topo, log), NonFinite(topo.device, log, cfg, scaler)
+    meter, bar = Meter(topo, plan, about["flops"]), progress_bar(plan, start_step, topo)
+    profiler = start_profiler(cfg, topo)  # None unless --profile
+    val = evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, start_step)
     model.train()
     try:
         for step in range(start_step, plan.max_steps):
-            lr = lr_at(step, plan.peak_lr, cfg, plan.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_lr(optimizer, lr_at(step, plan.peak_lr, cfg, plan.max_steps))
             batches, data_time = micro_batches(data, step, cfg, plan, topo)
-            losses, grad_norm, skipped = train_step(model, optimizer, scaler, batches, cfg, compute_loss)
-            if skipped:
-                log.line(f"step {step + 1}: gradient norm {float(grad_norm)}, optimizer step skipped")
-            elif not t.skip_nonfinite:  # under fp16 the scaler owns non-finite gradients, not a non-finite loss
-                nonfinite.note(step + 1, losses["loss"], None if scaler else grad_norm)
+            losses, grad_norm, skipped = train_step(model, optimizer, scaler, batches, cfg,
+                                                    compute_loss)
+            nonfinite.note(step + 1, losses["loss"], grad_norm, skipped)
             if step == start_step:  # --compile compiles the training step in its first call
                 log.line(clock.lap("first step", sync=losses["loss"]) + compile_cache_note(cfg))
             tokens_seen += plan.tokens_per_step
@@ -1015,9 +967,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 nonfinite.check()
                 log.step(meter.record(step + 1, losses, lr, grad_norm, tokens_seen), sorted(losses))
             checkpointer.publish_finished()  # a background save that every rank has written
-            save = (c.save_every and (step + 1) % c.save_every == 0) or (last and c.save_final) or stop
-            # --keep-best ranks checkpoints by their step's validation loss (a stop's is not evaluated: time is short)
-            evaluated = (t.eval_every and (step + 1) % t.eval_every == 0) or last or (c.keep_best and save and not stop)
+            save = should_save(step + 1, cfg, last, stop)
+            evaluated = should_evaluate(step + 1, cfg, last, save, stop)
             if evaluated:
                 with meter.paused() as seconds:
                     val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
@@ -1025,26 +976,65 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             if save:
                 nonfinite.check()  # never save a state that has seen a non-finite loss
                 with meter.paused():
-                    checkpointer.save(step + 1, tokens_seen, model, optimizer, val["loss"] if evaluated else None,
-                                      last, stop)
-            if stop and not last:
-                stopper.leave(stop, step + 1, t.out_dir)  # raises Preempted once every rank has saved
+                    checkpointer.save(step + 1, tokens_seen, model, optimizer,
+                                      val["loss"] if evaluated else None, last, stop)
+            if stop != 0 and not last:
+                stopper.leave(stop, step + 1, t.out_dir)  # raises Preempted once every rank saved
         checkpointer.publish_finished(wait=True)  # a --no-save-final run's last background save
     finally:
-        checkpointer.close()
-        bar.close()
-        log.close_trackers()
-        if profiler:
-            profiler.stop()
-        stopper.close()
+        close_all(checkpointer, bar, log, profiler, stopper)
+    finish(val, log, stopper, lock, topo)
+    return val
+
+
+def close_all(checkpointer, bar, log, profiler, stopper):
+    """After the loop, finished or not: the background save, the bar, trackers, profiler, signals."""
+    checkpointer.close()
+    bar.close()
+    log.close_trackers()
+    if profiler:
+        profiler.stop()
+    stopper.close()
+
+
+def finish(val, log, stopper, lock, topo):
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
-    stopper.poll()  # the last collective, a barrier: every rank fails when rank 0 could not write its log
+    stopper.poll()  # the last collective, a barrier: every rank fails when rank 0 could not log
     if lock:
-        lock.close()  # the next run may take the directory (the kernel would drop the lock at exit anyway)
+        lock.close()  # the next run may take the directory (the kernel would drop it at exit anyway)
     if topo.owner:
         dist.destroy_process_group()
-    return val
+
+
+def should_save(step, cfg, last, stop):
+    """Every --save-every steps, at the end (--save-final), and on a stop signal."""
+    c = cfg.checkpoint
+    return stop != 0 or (c.save_every > 0 and step % c.save_every == 0) or (last and c.save_final)
+
+
+def should_evaluate(step, cfg, last, save, stop):
+    """Every --eval-every steps and at the end; with --keep-best also before each save, whose
+    checkpoint it ranks by this loss (not a stop's save: time is short then)."""
+    t = cfg.train
+    if last or (t.eval_every > 0 and step % t.eval_every == 0):
+        return True
+    return cfg.checkpoint.keep_best and save and stop == 0
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
+    """The first validation: a finished run resumed is evaluated (on every rank), not trained."""
+    if step < plan.max_steps:
+        return {}
+    log.line(f"{cfg.train.out_dir} already finished at step {step} (max_steps {plan.max_steps}): "
+             "nothing to train; pass a larger --max-steps to continue it")
+    return evaluate(model, data, cfg, topo, plan.micro, compute_loss)
 
 
 def run(argv=None, **seams):
@@ -1073,6 +1063,58 @@ def leave(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# =============================================================================================
+# Reference: --optimizer muon. Muon on the hidden matrices, AdamW on the rest, in one optimizer.
+
+
+class Muon(torch.optim.AdamW):
+    """AdamW, but a group with "muon" (the dtype of Newton-Schulz) takes Nesterov momentum orthogonalised and scaled to
+    AdamW's update RMS (0.2 sqrt(max(rows, cols)), torch's match_rms_adamw). One optimizer keeps the schedule, the
+    scaler and checkpoints as they are; torch.optim.Muon takes 2-D tensors only and would orthogonalise shards."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in (g for g in self.param_groups if g.get("muon")):
+            params = [p for p in g["params"] if p.grad is not None]
+            lr, decay = g["lr"] * g["lr_ratio"], g["weight_decay"]
+            keys = [(p.shape, getattr(p, "placements", None)) for p in params]
+            for key in dict.fromkeys(keys):  # a shape's matrices: one batch of kernels
+                batch = [p for p, k in zip(params, keys) if k == key]
+                updates = orthogonalised([self.nesterov(p) for p in batch], DTYPES[g["muon"]])
+                for p, update in zip(batch, updates):
+                    scale = 0.2 * math.sqrt(max(p.shape))  # AdamW's update RMS
+                    p.mul_(1 - lr * decay).add_(update, alpha=-lr * scale)
+                    p.grad = None  # AdamW's step skips it
+        return super().step(closure)
+
+    def nesterov(self, p):
+        state = self.state[p]
+        if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
+            state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+        state["step"] += 1
+        return p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95)  # Nesterov momentum, 0.95
+
+
+def orthogonalised(updates, dtype, steps=5):
+    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, returned in
+    `dtype`. Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
+    orthogonalises 1/world of the matrices whole, once, and trades the results back into row shards."""
+    u, x = updates[0], torch.stack(updates).to(dtype)  # traded in `dtype` too: half the bytes of fp32
+    if isinstance(u, DTensor):
+        x = x.redistribute(placements=[Shard(0) if isinstance(p, Shard) else p for p in x.placements])
+    y = x.to_local() if isinstance(x, DTensor) else x
+    y = (y.mT if x.size(1) > x.size(2) else y) / (y.norm(dim=(1, 2), keepdim=True) + 1e-7)  # Gram of the short side
+    for _ in range(steps):  # y = a y + (b G + c G^2) y with G = y y^T, the scalings fused into the products
+        gram = y @ y.mT
+        y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), y, beta=3.4445)
+    y = y.mT if x.size(1) > x.size(2) else y
+    if not isinstance(u, DTensor):
+        return y
+    y = DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
+    y = y.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in x.placements]).to_local()
+    return [DTensor.from_local(o, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()) for o in y]
 
 
 # =============================================================================================
@@ -1661,6 +1703,13 @@ def checkpoint_weights(path):
     raise BadInput(f"--init-from {path}: not a checkpoint (no model.pt or dcp/ inside)")
 
 
+def check_init_from_shapes(cfg, model, topo):
+    """--init-from: the checkpoint exists and its shapes are the model's (checked on rank 0)."""
+    if cfg.checkpoint.init_from:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        rank0_does(lambda: check_init_from(cfg.checkpoint.init_from, shapes), topo.rank)
+
+
 def check_init_from(path, shapes):
     """--init-from's checkpoint must hold every parameter of the model (`shapes`, by name) with its
     shape; mismatches are reported by name, before anything is written."""
@@ -1704,6 +1753,12 @@ def require_checkpoint_dir(path, flag, valid):
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
     return path, check_checkpoint(path)
+
+
+def export_command(argv):
+    if len(argv) != 2:  # python train_fsdp.py --export CHECKPOINT_DIR
+        raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
+    return export_checkpoint(argv[1])
 
 
 def export_checkpoint(path):
@@ -1833,9 +1888,7 @@ def choose_start(cfg, digests):
     for section, sec in sections(cfg).items() if old is not None else ():  # fields the old run predates
         if hasattr(sec, "saved_fields"):
             old[section] = sec.saved_fields(old.get(section, {}))
-    t, saved = cfg.train, (old or {}).get("train", {})  # the schedule's length is the first launch's: a resume keeps it
-    t.lr_decay_steps = t.lr_decay_steps or saved.get("lr_decay_steps") or saved.get("max_steps") or \
-        (t.max_steps if t.lr_schedule == "cosine" else max(1, t.max_steps // 5))
+    cfg.train.lr_decay_steps = schedule_length(cfg.train, (old or {}).get("train", {}))
     if old is not None:
         notes += resume_changes(cfg, old, meta, digests, resume)
     return resume, notes
@@ -2221,6 +2274,33 @@ def describe_model(model, plan, wrap_classes):
     return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "flops": flops, "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
             "hidden": hidden_matrices(model, wrap_classes)}
+
+
+def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
+    """The run's log: the resume notes, the start-up summary, and the trackers asked for."""
+    log = RunLog(cfg.train.out_dir, topo.rank)
+    for note in notes:
+        log.line(note)
+    log_summary(log, cfg, topo, plan, model, about, n_val)
+    log.start_trackers(cfg, start_step)
+    return log
+
+
+def progress_bar(plan, start_step, topo):
+    """A bar for a terminal: in a Slurm or redirected log its redraws would fill the file."""
+    return tqdm(total=plan.max_steps, initial=start_step, dynamic_ncols=True, desc="train",
+                disable=topo.rank != 0 or not sys.stderr.isatty())
+
+
+def start_profiler(cfg, topo):
+    """--profile: a Chrome trace of steps 2-4 per rank in the run directory."""
+    if not cfg.train.profile:
+        return None
+    trace = os.path.join(cfg.train.out_dir, f"trace_rank{topo.rank}.json")
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                                      on_trace_ready=lambda p: p.export_chrome_trace(trace))
+    profiler.start()
+    return profiler
 
 
 def log_summary(log, cfg, topo, plan, model, about, n_val):
