@@ -1,10 +1,12 @@
-"""Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text corpus.
+"""Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text
+corpus.
 
-prepare_data() does the slow, disk-writing work once (on global rank 0, with every core of its node): train a
-SentencePiece tokenizer, tokenize the corpus into flat uint16/uint32 token files and write a manifest.
-open_dataset() (every rank) only reads: it memory-maps those files and serves batches addressed by (step, slice
-of the global batch), so the order is a pure function of the seed and resume/any world size see exactly the same
-samples. `python data.py --dataset ...` builds the same cache as a job of its own (docs/data.md).
+prepare_data() does the slow, disk-writing work once (on global rank 0, with every core of its
+node): train a SentencePiece tokenizer, tokenize the corpus into flat uint16/uint32 token files and
+write a manifest. open_dataset() (every rank) only reads: it memory-maps those files and serves
+batches addressed by (step, slice of the global batch), so the order is a pure function of the seed
+and resume/any world size see exactly the same samples. `python data.py --dataset ...` builds the
+same cache as a job of its own (docs/data.md).
 """
 
 import argparse
@@ -46,22 +48,28 @@ def opt(default, help, choices=None):
 
 @dataclass
 class DataConfig:
-    dataset: str = opt("synthetic", "'synthetic' (built-in task), 'random' (uniform random tokens, for benchmarks), "
-                       "a .txt, .jsonl or .parquet file (a \"text\" field) or a directory of one kind of them, "
-                       "or token files: a .bin file or a directory with train.bin (and val.bin)")
-    val_path: str = opt("", "separate validation corpus (same kinds); empty = hold out --val-fraction of the tokens")
-    val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no --val-path), in (0, 0.5]")
-    tokenizer: str = opt("", "existing SentencePiece .model to use; empty = train one on the corpus")
+    dataset: str = opt("synthetic", "'synthetic' (built-in task), 'random' (uniform random tokens, "
+                       "for benchmarks), a .txt, .jsonl or .parquet file (a \"text\" field) or a "
+                       "directory of one kind of them, or token files: a .bin file or a directory "
+                       "with train.bin (and val.bin)")
+    val_path: str = opt("", "separate validation corpus (same kinds); empty = hold out "
+                        "--val-fraction of the tokens")
+    val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no "
+                              "--val-path), in (0, 0.5]")
+    tokenizer: str = opt("",
+                         "existing SentencePiece .model to use; empty = train one on the corpus")
     tokenizer_type: str = opt("bpe", "kind of tokenizer to train", ["bpe", "unigram", "char"])
-    tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound for char) "
-                                    "and of --dataset random")
-    seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 for text "
-                       "and random)")
+    tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound "
+                                    "for char) and of --dataset random")
+    seq_len: int = opt(0, "tokens per training row; 0 = the dataset's own (66 for synthetic, 512 "
+                       "for text and random)")
     cache_dir: str = opt("data_cache", "directory for trained tokenizers and tokenized .bin files")
-    data_workers: int = opt(0, "processes that build the token cache; 0 = every core this process may use")
+    data_workers: int = opt(0, "processes that build the token cache; 0 = every core this process "
+                            "may use")
     token_dtype: str = opt("uint16", "integer type of given .bin token files", ["uint16", "uint32"])
     synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
-    synthetic_val_samples: int = opt(1024, "number of samples in the fixed synthetic validation set")
+    synthetic_val_samples: int = opt(1024,
+                                     "number of samples in the fixed synthetic validation set")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may move
     # the token cache: where it lives does not change the tokens.
@@ -73,26 +81,32 @@ class DataConfig:
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
 FORMAT_VERSION = 2  # bump when the cache layout changes so old caches read as stale
-HASH_LIMIT = 64 << 20  # bytes hashed per check at most; the rest is trusted on size + mtime to keep checks fast
+# bytes hashed per check at most; the rest is trusted on size + mtime to keep checks fast
+HASH_LIMIT = 64 << 20
 TEXT_KINDS = (".txt", ".jsonl", ".parquet")
-PART_BYTES = 8 << 20  # text a process reads and tokenises at once: memory stays flat, and every core has work
+# text a process reads and tokenises at once: memory stays flat, and every core has work
+PART_BYTES = 8 << 20
 ENCODE_LINES = 8192  # lines per sp.encode call
 TOKENIZER_SAMPLE_BYTES = 1 << 30  # text a tokenizer is trained on at most, spread over the corpus
 
-# The synthetic task (Fleuret, "The Free Transformer", section 4). A sample is "\n", a letter, ">" and 64
-# characters: underscores with the letter repeated 8 times at a random place, each position then turned
-# into "!" with probability 1/16. Predicting the block well needs an early latent decision of where it goes.
+# The synthetic task (Fleuret, "The Free Transformer", section 4). A sample is "\n", a letter, ">"
+# and 64 characters: underscores with the letter repeated 8 times at a random place, each position
+# then turned into "!" with probability 1/16. Predicting the block well needs an early latent
+# decision of where it goes.
 SYNTH_CHARS = "\n>!_" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SYNTH_VOCAB = 32  # 30 symbols padded to a multiple of 8 for the embedding/logits matmuls
 SYNTH_BODY, SYNTH_BLOCK, SYNTH_NOISE = 64, 8, 1 / 16
 SYNTH_ROW = 3 + SYNTH_BODY  # "\n" + letter + ">" + body = 67 tokens -> seq_len 66
-SYNTH_VAL_SEED = (12345, 54321)  # fixed and independent of --seed, so every run validates on the same set
+# fixed and independent of --seed, so every run validates on the same set
+SYNTH_VAL_SEED = (12345, 54321)
 NEWLINE, PROMPT_END, NOISE, BLANK, LETTER_A = range(5)
-SHIFT_STREAM = 1  # third word of the seed of the text windows' per-epoch shifts (Dataset.epoch_shift)
+# third word of the seed of the text windows' per-epoch shifts (Dataset.epoch_shift)
+SHIFT_STREAM = 1
 
 
 def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
-    """n synthetic samples as an (n, 67) uint8 array of token ids, generated without a Python loop."""
+    """n synthetic samples as an (n, 67) uint8 array of token ids, generated without a Python
+    loop."""
     letters = (LETTER_A + rng.integers(0, 26, n)).astype(np.uint8)
     starts = rng.integers(0, SYNTH_BODY - SYNTH_BLOCK + 1, n)
     body = np.full((n, SYNTH_BODY), BLANK, np.uint8)
@@ -108,20 +122,22 @@ class Dataset:
     Text rows start every seq_len tokens, so neighbours share one boundary token (nanoGPT's x/y);
     synthetic samples are independent, so their stride is the whole row."""
 
-    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""), shift_windows=False,
-                 digests=None):
-        # tokenizer: the SentencePiece processor and its .model path; (None, "") for the synthetic alphabet.
-        # digests (text): {source: digest} (data_digests), which a resumed run must find unchanged; None
-        # when the config alone fixes the rows (synthetic, random).
+    def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""),
+                 shift_windows=False, digests=None):
+        # tokenizer: the SentencePiece processor and its .model path; (None, "") for the synthetic
+        # alphabet. digests (text): {source: digest} (data_digests), which a resumed run must find
+        # unchanged; None when the config alone fixes the rows (synthetic, random).
         self.train_tokens, self.val_tokens, self.digests = train, val, digests
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
         self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
         self.n_val = (len(val) - seq_len - 1) // stride + 1
-        # shift_windows (text): each epoch after the first moves its windows by an offset in [1, stride), so
-        # that a token is not always seen with the same left context, which a model memorises; epoch 0 is
-        # the plain layout. A shifted epoch holds the rows that fit after the largest shift (max_shift).
-        self.n_shifted = max(1, (len(train) - stride - seq_len) // stride + 1) if shift_windows else self.n_train
+        # shift_windows (text): each epoch after the first moves its windows by an offset in [1,
+        # stride), so that a token is not always seen with the same left context, which a model
+        # memorises; epoch 0 is the plain layout. A shifted epoch holds the rows that fit after the
+        # largest shift (max_shift).
+        self.n_shifted = (max(1, (len(train) - stride - seq_len) // stride + 1) if shift_windows
+                          else self.n_train)
         self.max_shift = min(stride - 1, len(train) - seq_len - 1 - (self.n_shifted - 1) * stride) \
             if shift_windows else 0
         self._perm_epoch, self._perm = -1, None
@@ -146,7 +162,8 @@ class Dataset:
             return 0
         block, i = divmod(epoch - 1, self.max_shift)
         # [seed, block, SHIFT_STREAM]: a stream of its own, apart from the epochs' permutations.
-        return 1 + int(np.random.default_rng([self.seed, block, SHIFT_STREAM]).permutation(self.max_shift)[i])
+        return 1 + int(np.random.default_rng([self.seed, block,
+                                              SHIFT_STREAM]).permutation(self.max_shift)[i])
 
     def epoch_of(self, k: np.ndarray):
         """(epoch, position in that epoch) of the k-th training row of the run."""
@@ -157,7 +174,8 @@ class Dataset:
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
         """Rows [start, start+count) of training step `step`'s global batch, as int64 (x, y)."""
         if start < 0 or count < 0 or start + count > global_batch:
-            raise ValueError(f"slice [{start}, {start + count}) is outside the global batch of {global_batch}")
+            raise ValueError(f"slice [{start}, {start + count}) is outside the global batch of "
+                             f"{global_batch}")
         k = step * global_batch + start + np.arange(count, dtype=np.int64)
         epochs, positions = self.epoch_of(k)
         offsets = np.empty(count, np.int64)
@@ -196,7 +214,8 @@ def load_tokenizer(tokenizer_path: str):
     if not tokenizer_path:
         return None
     if not os.path.isfile(tokenizer_path):
-        raise DataError(f"tokenizer {tokenizer_path} not found; the run's tokenizer must stay where it was trained")
+        raise DataError(f"tokenizer {tokenizer_path} not found; the run's tokenizer must stay "
+                        "where it was trained")
     return spm.SentencePieceProcessor(model_file=tokenizer_path)
 
 
@@ -205,7 +224,8 @@ def encode(sp, text: str) -> list[int]:
         return sp.encode(text)
     bad = sorted(set(text) - set(SYNTH_CHARS))
     if bad:
-        raise DataError(f"characters {bad} are not in the synthetic vocabulary; valid: {SYNTH_CHARS!r}")
+        raise DataError(f"characters {bad} are not in the synthetic vocabulary; valid: "
+                        f"{SYNTH_CHARS!r}")
     return [SYNTH_CHARS.index(c) for c in text]
 
 
@@ -213,52 +233,60 @@ def decode(sp, ids) -> str:
     ids = [int(i) for i in ids]
     if sp is not None:
         return sp.decode(ids)
-    return "".join(SYNTH_CHARS[i] if i < len(SYNTH_CHARS) else "?" for i in ids)  # "?" marks padding ids
+    # "?" marks padding ids
+    return "".join(SYNTH_CHARS[i] if i < len(SYNTH_CHARS) else "?" for i in ids)
 
 
 def check_config(cfg: DataConfig) -> None:
     if cfg.tokenizer_type not in TOKENIZER_TYPES:
-        raise DataError(f"--tokenizer-type {cfg.tokenizer_type}: unknown; use one of {', '.join(TOKENIZER_TYPES)}")
+        raise DataError(f"--tokenizer-type {cfg.tokenizer_type}: unknown; use one of "
+                        f"{', '.join(TOKENIZER_TYPES)}")
     if not 0 < cfg.val_fraction <= 0.5:
         raise DataError(f"--val-fraction {cfg.val_fraction}: must be in (0, 0.5]")
     if cfg.data_workers < 0:
-        raise DataError(f"--data-workers {cfg.data_workers}: must be at least 1, or 0 for every core")
+        raise DataError(f"--data-workers {cfg.data_workers}: must be at least 1, or 0 for every "
+                        "core")
     if cfg.seq_len < 0:
         raise DataError(f"--seq-len {cfg.seq_len}: must be at least 1, or 0 for the dataset's own")
     if cfg.dataset == "synthetic":
         n = SYNTH_ROW - 1
         if cfg.seq_len not in (0, n):
-            raise DataError(f"--seq-len {cfg.seq_len}: the synthetic task's rows are {n} tokens; use 0 or {n}")
+            raise DataError(f"--seq-len {cfg.seq_len}: the synthetic task's rows are {n} tokens; "
+                            f"use 0 or {n}")
         if min(cfg.synthetic_train_samples, cfg.synthetic_val_samples) < 1:
-            raise DataError(f"--synthetic-train-samples {cfg.synthetic_train_samples} / --synthetic-val-samples "
-                            f"{cfg.synthetic_val_samples}: both must be at least 1")
+            raise DataError(f"--synthetic-train-samples {cfg.synthetic_train_samples} / "
+                            f"--synthetic-val-samples {cfg.synthetic_val_samples}: both must be at "
+                            "least 1")
 
 
 def list_sources(path: str, flag: str) -> list[Path]:
     """The files behind a --dataset/--val-path value, in a stable order: text (.txt, .jsonl,
     .parquet, or a directory of one of those kinds) or token files (.bin, or a directory with
     train.bin)."""
-    kinds = (("'synthetic', " if flag == "--dataset" else "") + "a .txt, .jsonl, .parquet or .bin file, or a "
-             "directory of .txt, .jsonl or .parquet files or with a train.bin")
+    kinds = (("'synthetic', " if flag == "--dataset" else "") + "a .txt, .jsonl, .parquet or .bin "
+             "file, or a directory of .txt, .jsonl or .parquet files or with a train.bin")
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{flag} {path}: no such file or directory; use {kinds}")
     if p.is_dir():
         if flag == "--dataset" and (p / "train.bin").is_file():
             return [(p / "train.bin").resolve()]
-        found = {kind: sorted(f.resolve() for f in p.rglob("*" + kind) if f.is_file()) for kind in TEXT_KINDS}
+        found = {kind: sorted(f.resolve() for f in p.rglob("*" + kind) if f.is_file())
+                 for kind in TEXT_KINDS}
         found = {kind: files for kind, files in found.items() if files}
         if len(found) > 1:
-            raise DataError(f"{flag} {path}: the directory holds {' and '.join(found)} files; keep one kind in it")
+            raise DataError(f"{flag} {path}: the directory holds {' and '.join(found)} files; keep "
+                            "one kind in it")
         if not found:
-            raise DataError(f"{flag} {path}: directory contains no .txt, .jsonl or .parquet files; use {kinds}")
+            raise DataError(f"{flag} {path}: directory contains no .txt, .jsonl or .parquet files; "
+                            f"use {kinds}")
         return next(iter(found.values()))
     if p.suffix not in TEXT_KINDS + (".bin",):
         raise DataError(f"{flag} {path}: unsupported file extension '{p.suffix}'; use {kinds}")
     return [p.resolve()]
 
 
-# --- reading the corpus in parts --------------------------------------------------------------------------------
+# --- reading the corpus in parts ------------------------------------------------------------------
 # A corpus is cut into parts that processes read and tokenise independently: byte ranges that end
 # at a line end ("\n") in a .txt or .jsonl file, row groups in a Parquet file. A .txt file is one
 # document over all its parts; a .jsonl line or a Parquet row is one document.
@@ -274,10 +302,12 @@ class Part(typing.NamedTuple):
 def parts_of(path: Path) -> list[Part]:
     if path.suffix == ".parquet":
         meta = parquet_file(path).metadata
-        return [Part(path, i, i + 1, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+        return [Part(path, i, i + 1, meta.row_group(i).total_byte_size)
+                for i in range(meta.num_row_groups)]
     size, parts, lo = path.stat().st_size, [], 0
     with open(path, "rb") as f:
-        while lo < size or not parts:  # an empty file is one empty part: an empty .txt is still a document
+        # an empty file is one empty part: an empty .txt is still a document
+        while lo < size or not parts:
             f.seek(min(lo + PART_BYTES, size))
             hi = f.tell() + len(f.readline())  # after the next "\n", which always ends a line
             parts.append(Part(path, lo, hi, hi - lo))
@@ -286,8 +316,8 @@ def parts_of(path: Path) -> list[Part]:
 
 
 def read_part(part: Part):
-    """(starts a document, its lines) for each stretch of text in the part; lines keep their endings,
-    read as open(path, encoding="utf-8", errors="replace") reads them."""
+    """(starts a document, its lines) for each stretch of text in the part; lines keep their
+    endings, read as open(path, encoding="utf-8", errors="replace") reads them."""
     if part.path.suffix == ".parquet":
         for text in parquet_texts(part):
             yield True, text.splitlines(keepends=True)
@@ -309,14 +339,16 @@ def read_part(part: Part):
             text = None
         if not isinstance(text, str):
             lineno = line_number(part, raw, i)
-            raise DataError(f'{part.path} line {lineno}: not a JSON object with a "text" string; every line needs one')
+            raise DataError(f'{part.path} line {lineno}: not a JSON object with a "text" string; '
+                            'every line needs one')
         yield True, text.splitlines(keepends=True)
 
 
 def line_number(part: Part, raw: bytes, i: int) -> int:
     """The file's line number of line i of the part whose bytes are raw."""
     with open(part.path, "rb") as f:
-        before = sum(block.count(b"\n") for block in iter(lambda: f.read(min(1 << 24, part.lo - f.tell())), b""))
+        before = sum(block.count(b"\n")
+                     for block in iter(lambda: f.read(min(1 << 24, part.lo - f.tell())), b""))
     return before + i + 1
 
 
@@ -325,14 +357,16 @@ def parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install pyarrow") from None
+        raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip "
+                        "install pyarrow") from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and OSError: a truncated or foreign file
         raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     names = pf.schema_arrow.names
     if "text" not in names:
-        raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must be in "text"')
+        raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must be '
+                        'in "text"')
     kind = pf.schema_arrow.field("text").type
     if str(kind) not in ("string", "large_string", "string_view"):
         raise DataError(f'{path}: column "text" holds {kind}, not strings')
@@ -344,7 +378,8 @@ def parquet_file(path: Path):
 def parquet_texts(part: Part) -> list[str]:
     texts = parquet_file(part.path).read_row_group(part.lo, columns=["text"]).column(0).to_pylist()
     if None in texts:
-        row = sum(parquet_file(part.path).metadata.row_group(i).num_rows for i in range(part.lo)) + texts.index(None)
+        row = (sum(parquet_file(part.path).metadata.row_group(i).num_rows for i in range(part.lo))
+               + texts.index(None))
         raise DataError(f'{part.path} row {row}: "text" is null; every row needs a string')
     return texts
 
@@ -383,11 +418,11 @@ def data_workers(cfg: DataConfig) -> int:
 
 def progress(parts: list[Part], what: str):
     """A progress bar (MB done, MB/s, time left) that shows itself only when the work is long."""
-    return tqdm.tqdm(total=sum(p.size for p in parts), desc=f"data: {what}", unit="B", unit_scale=True,
-                     unit_divisor=1024, delay=10, mininterval=2)
+    return tqdm.tqdm(total=sum(p.size for p in parts), desc=f"data: {what}", unit="B",
+                     unit_scale=True, unit_divisor=1024, delay=10, mininterval=2)
 
 
-# --- identity of the inputs -------------------------------------------------------------------------------------
+# --- identity of the inputs -----------------------------------------------------------------------
 
 
 def fingerprint(path: Path) -> dict:
@@ -415,17 +450,20 @@ def resolve_inputs(cfg: DataConfig):
     if train[0].name == "train.bin" and not val and (train[0].parent / "val.bin").is_file():
         val = [train[0].parent / "val.bin"]  # nanoGPT's layout: train.bin and val.bin side by side
     if any(p.suffix == ".bin" for p in train + val) and {p.suffix for p in train + val} != {".bin"}:
-        raise DataError(f"--dataset {cfg.dataset} / --val-path {cfg.val_path}: token files (.bin) and text "
-                        "cannot be mixed; give both as .bin or both as text")
+        raise DataError(f"--dataset {cfg.dataset} / --val-path {cfg.val_path}: token files (.bin) "
+                        "and text cannot be mixed; give both as .bin or both as text")
     model = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
     if model and not model.is_file():
-        raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model or leave it empty")
+        raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model "
+                        "or leave it empty")
     if model:
         try:
             spm.SentencePieceProcessor(model_file=str(model))
-        except (RuntimeError, OSError):  # sentencepiece's own message names neither the flag nor a remedy
-            raise DataError(f"--tokenizer {cfg.tokenizer}: not a SentencePiece model; give a .model file written "
-                            "by SentencePiece, or leave it empty to train one on the corpus") from None
+        # sentencepiece's own message names neither the flag nor a remedy
+        except (RuntimeError, OSError):
+            raise DataError(f"--tokenizer {cfg.tokenizer}: not a SentencePiece model; give a "
+                            ".model file written by SentencePiece, or leave it empty to train one "
+                            "on the corpus") from None
     inputs = {"train": [fingerprint(p) for p in train], "val": [fingerprint(p) for p in val],
               "tokenizer": fingerprint(model) if model else None}
     return train, val, model, inputs
@@ -438,13 +476,16 @@ def file_sha256(path: Path) -> str:
 
 def tokenizer_digest(sp: spm.SentencePieceProcessor) -> str:
     """sha256 of each id's piece, score and kind: what encoding and decoding depend on. Not of the
-    .model file, whose bytes also record where and how it was trained (staging directory, threads)."""
+    .model file, whose bytes also record where and how it was trained (staging directory,
+    threads)."""
     kinds = (sp.is_unknown, sp.is_control, sp.is_unused, sp.is_byte)
-    table = [[sp.id_to_piece(i), sp.get_score(i), [is_kind(i) for is_kind in kinds]] for i in range(sp.vocab_size())]
+    table = [[sp.id_to_piece(i), sp.get_score(i), [is_kind(i) for is_kind in kinds]]
+             for i in range(sp.vocab_size())]
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
-def data_digests(train_paths: list[Path], val_paths: list[Path], hashes: dict, sp, workers: int) -> dict:
+def data_digests(train_paths: list[Path], val_paths: list[Path], hashes: dict, sp,
+                 workers: int) -> dict:
     """{source: digest} of what the rows are made of: each corpus file's bytes and the tokenizer's
     pieces. A resumed run compares them with its checkpoint's. Taken once, when the cache is built:
     a large corpus is then read anyway, and an unchanged one gives the same digests again."""
@@ -462,9 +503,10 @@ def absolute(path: str) -> str:
 
 
 def cache_dir_for(cfg: DataConfig) -> Path:
-    # Keyed on the settings, not on file contents, so an edited corpus replaces its cache (the manifest
-    # catches the change) instead of leaving an orphaned cache behind.
-    key = {"format": FORMAT_VERSION, "dataset": absolute(cfg.dataset), "val_path": absolute(cfg.val_path),
+    # Keyed on the settings, not on file contents, so an edited corpus replaces its cache (the
+    # manifest catches the change) instead of leaving an orphaned cache behind.
+    key = {"format": FORMAT_VERSION, "dataset": absolute(cfg.dataset),
+           "val_path": absolute(cfg.val_path),
            "val_fraction": None if cfg.val_path else cfg.val_fraction,
            "tokenizer": absolute(cfg.tokenizer) or [cfg.tokenizer_type, cfg.tokenizer_vocab_size]}
     if Path(cfg.dataset).suffix == ".bin" or (Path(cfg.dataset) / "train.bin").is_file():
@@ -474,7 +516,8 @@ def cache_dir_for(cfg: DataConfig) -> Path:
 
 
 def token_files(out: Path, manifest: dict) -> dict:
-    """{split: (file, first token, tokens)}: the cache's own .bin files, or the given token files."""
+    """{split: (file, first token, tokens)}: the cache's own .bin files, or the given token
+    files."""
     if "token_files" in manifest:
         return {name: (Path(f), lo, n) for name, (f, lo, n) in manifest["token_files"].items()}
     return {"train": (out / "train.bin", 0, manifest["train_tokens"]),
@@ -482,8 +525,10 @@ def token_files(out: Path, manifest: dict) -> dict:
 
 
 def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
-    """The cache's manifest if it was built from exactly these inputs and its files are complete, else None."""
-    # open_dataset passes no hashes: rank 0 has just checked them in prepare_data; hashing on every rank is slow.
+    """The cache's manifest if it was built from exactly these inputs and its files are complete,
+    else None."""
+    # open_dataset passes no hashes: rank 0 has just checked them in prepare_data; hashing on every
+    # rank is slow.
     try:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -496,10 +541,11 @@ def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
     for f, lo, n in token_files(out, manifest).values():
         if not f.is_file() or f.stat().st_size < (lo + n) * itemsize:
             return None
-    return manifest if not manifest["tokenizer_path"] or Path(manifest["tokenizer_path"]).is_file() else None
+    return (manifest if not manifest["tokenizer_path"] or Path(manifest["tokenizer_path"]).is_file()
+            else None)
 
 
-# --- the tokenizer -------------------------------------------------------------------------------------------------
+# --- the tokenizer --------------------------------------------------------------------------------
 
 
 def part_sentences(part: Part) -> list[str]:
@@ -521,9 +567,10 @@ def train_tokenizer(cfg: DataConfig, parts: list[Part], out: Path) -> Path:
     sample = tokenizer_sample(parts)
     workers = data_workers(cfg)
     mb = sum(p.size for p in sample) / 2**20
-    print(f"data: training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} tokens) on {mb:.0f} MB "
-          f"of {len({p.path for p in parts})} files, with {workers} processes")
-    errors = []  # sentencepiece turns exceptions from the iterator into a generic RuntimeError; keep ours
+    print(f"data: training a {cfg.tokenizer_type} tokenizer ({cfg.tokenizer_vocab_size} tokens) on "
+          f"{mb:.0f} MB of {len({p.path for p in parts})} files, with {workers} processes")
+    # sentencepiece turns exceptions from the iterator into a generic RuntimeError; keep ours
+    errors = []
 
     def sentences():
         try:
@@ -538,15 +585,17 @@ def train_tokenizer(cfg: DataConfig, parts: list[Part], out: Path) -> Path:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences(), model_prefix=str(out / "tokenizer"),
             model_type=cfg.tokenizer_type, vocab_size=cfg.tokenizer_vocab_size,
-            hard_vocab_limit=not char,  # a char vocabulary is the corpus's alphabet; the size only caps it
+            # a char vocabulary is the corpus's alphabet; the size only caps it
+            hard_vocab_limit=not char,
             byte_fallback=not char,  # unseen characters become UTF-8 byte tokens instead of <unk>
             character_coverage=1.0 if char else 0.9995,
             # Identity normalization, kept whitespace, no dummy prefix and "\n" as a piece make
-            # decode(encode(text)) == text, and make encoding line by line equal to encoding the whole text.
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            user_defined_symbols=["\n"],
-            input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=16384,
-            num_threads=workers, minloglevel=2)
+            # decode(encode(text)) == text, and make encoding line by line equal to encoding the
+            # whole text.
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, user_defined_symbols=["\n"], input_sentence_size=2_000_000,
+            shuffle_input_sentence=True, max_sentence_length=16384, num_threads=workers,
+            minloglevel=2)
     except RuntimeError as e:
         if errors:
             raise errors[0] from None
@@ -555,22 +604,28 @@ def train_tokenizer(cfg: DataConfig, parts: list[Part], out: Path) -> Path:
 
 
 def tokenizer_error(cfg: DataConfig, message: str) -> str:
-    flags = f"--tokenizer-vocab-size {cfg.tokenizer_vocab_size} with --tokenizer-type {cfg.tokenizer_type}"
-    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
-        return f"{flags} is too large for this corpus; use --tokenizer-vocab-size <= {m[1]} or a larger corpus"
+    flags = (f"--tokenizer-vocab-size {cfg.tokenizer_vocab_size} with --tokenizer-type "
+             f"{cfg.tokenizer_type}")
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)",
+                      message):
+        return (f"{flags} is too large for this corpus; use --tokenizer-vocab-size <= {m[1]} or a "
+                "larger corpus")
     if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
-        return f"{flags} is too small for this corpus's characters; use --tokenizer-vocab-size >= {m[1]}"
-    return f"{flags}: sentencepiece could not train a tokenizer: {message.splitlines()[0].rsplit('] ', 1)[-1]}"
+        return (f"{flags} is too small for this corpus's characters; use --tokenizer-vocab-size >= "
+                f"{m[1]}")
+    return (f"{flags}: sentencepiece could not train a tokenizer: "
+            f"{message.splitlines()[0].rsplit('] ', 1)[-1]}")
 
 
-# --- tokenising ----------------------------------------------------------------------------------------------------
+# --- tokenising -----------------------------------------------------------------------------------
 
 _worker_sp = None  # the tokenizer of this process, once start_worker has loaded it
 
 
 def start_worker(model: str) -> None:
     global _worker_sp
-    _worker_sp = spm.SentencePieceProcessor(model_file=model, num_threads=1)  # the processes are the parallelism
+    # the processes are the parallelism
+    _worker_sp = spm.SentencePieceProcessor(model_file=model, num_threads=1)
 
 
 def token_dtype(vocab_size: int):
@@ -601,10 +656,12 @@ def batched(iterable, n: int):
 
 
 def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, bar) -> int:
-    """Tokenise the parts into dest, in order, on `workers` processes; returns the number of tokens."""
+    """Tokenise the parts into dest, in order, on `workers` processes; returns the number of
+    tokens."""
     n, skip = 0, len(separator(sp))  # the stream starts with a separator: drop it
     with open(dest, "wb") as f:
-        for part, tokens in zip(parts, in_order(encode_part, parts, workers, start_worker, (str(model),))):
+        for part, tokens in zip(parts, in_order(encode_part, parts, workers, start_worker,
+                                                (str(model),))):
             kept = tokens[skip:]
             kept.tofile(f)
             n += len(kept)
@@ -614,7 +671,8 @@ def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, b
 
 
 def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
-    """Move the last n_tail tokens of src into dest, truncating src in place (no second full copy on disk)."""
+    """Move the last n_tail tokens of src into dest, truncating src in place (no second full copy on
+    disk)."""
     tokens = np.memmap(src, dtype=dtype, mode="r", shape=(n_total,))
     with open(dest, "wb") as f:
         for i in range(n_total - n_tail, n_total, 1 << 24):
@@ -650,7 +708,8 @@ def missing_dirs(path: Path) -> list[Path]:
 
 
 def remove_dead_builds(root: Path, prefix: str) -> None:
-    """Temporary build directories of this host whose process no longer runs (killed with SIGKILL)."""
+    """Temporary build directories of this host whose process no longer runs (killed with
+    SIGKILL)."""
     for d in root.glob(prefix + "*"):
         try:
             pid = int(d.name.rsplit("-", 1)[1])
@@ -681,9 +740,10 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 def prepare_data(cfg: DataConfig) -> None:
-    """Build the token cache for cfg (rank 0 only); a no-op for synthetic data and an up-to-date cache.
-    Bad input writes nothing: what needs no tokenising is checked first, and the rest is built in a
-    private temporary directory, renamed into place when complete and deleted on any failure."""
+    """Build the token cache for cfg (rank 0 only); a no-op for synthetic data and an up-to-date
+    cache. Bad input writes nothing: what needs no tokenising is checked first, and the rest is
+    built in a private temporary directory, renamed into place when complete and deleted on any
+    failure."""
     check_config(cfg)
     if cfg.dataset in ("synthetic", "random"):
         return
@@ -698,10 +758,13 @@ def prepare_data(cfg: DataConfig) -> None:
         build = check_token_files
     else:
         build = build_cache
-        sources["parts"] = {split: [part for p in sources[split] for part in parts_of(p)] for split in ("train", "val")}
-        for flag, value, split in (("--dataset", cfg.dataset, "train"), ("--val-path", cfg.val_path, "val")):
+        sources["parts"] = {split: [part for p in sources[split] for part in parts_of(p)]
+                            for split in ("train", "val")}
+        for flag, value, split in (("--dataset", cfg.dataset, "train"),
+                                   ("--val-path", cfg.val_path, "val")):
             if sources[split] and not has_text(sources["parts"][split]):
-                raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with text in them")
+                raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with "
+                                "text in them")
     created = missing_dirs(out.parent)
     prefix = f".tmp-{out.name}-{socket.gethostname()}-"
     tmp = out.with_name(f"{prefix}{os.getpid()}")
@@ -722,14 +785,15 @@ def prepare_data(cfg: DataConfig) -> None:
 
 
 def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
-    """Tokenizer (trained unless given), train.bin, val.bin and manifest.json, written into tmp
-    for the final directory `out`. `sources`: the training and validation files and their parts,
-    and the given tokenizer or None; `identity`: the manifest's inputs and sha256. Returns the manifest."""
+    """Tokenizer (trained unless given), train.bin, val.bin and manifest.json, written into tmp for
+    the final directory `out`. `sources`: the training and validation files and their parts, and the
+    given tokenizer or None; `identity`: the manifest's inputs and sha256. Returns the manifest."""
     parts, workers = sources["parts"], data_workers(cfg)
     model = sources["model"] or train_tokenizer(cfg, parts["train"], tmp)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     dtype = token_dtype(sp.vocab_size())
-    print(f"data: tokenizing {len(sources['train']) + len(sources['val'])} files into {out} with {workers} processes")
+    print(f"data: tokenizing {len(sources['train']) + len(sources['val'])} files into {out} with "
+          f"{workers} processes")
     with progress(parts["train"] + parts["val"], "tokenising") as bar:
         n_train = write_tokens(sp, model, parts["train"], tmp / "train.bin", workers, bar)
         if parts["val"]:
@@ -739,11 +803,13 @@ def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dic
         split_tail(tmp / "train.bin", tmp / "val.bin", dtype, n_train, n_val)
         n_train -= n_val
     digests = data_digests(sources["train"], sources["val"], identity["sha256"], sp, workers)
-    settings = {"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size} if not cfg.tokenizer else {}
-    tokenizer_path = model if cfg.tokenizer else out / model.name  # where the trained one will be after the rename
+    settings = ({"type": cfg.tokenizer_type, "vocab_size": cfg.tokenizer_vocab_size}
+                if not cfg.tokenizer else {})
+    # where the trained one will be after the rename
+    tokenizer_path = model if cfg.tokenizer else out / model.name
     manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": settings,
-                "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(), "dtype": np.dtype(dtype).name,
-                "train_tokens": n_train, "val_tokens": n_val,
+                "tokenizer_path": str(tokenizer_path), "vocab_size": sp.vocab_size(),
+                "dtype": np.dtype(dtype).name, "train_tokens": n_train, "val_tokens": n_val,
                 "val_fraction": None if parts["val"] else cfg.val_fraction, "digests": digests}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -751,7 +817,8 @@ def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dic
 
 def largest_id(chunk) -> int:
     path, dtype, lo, hi = chunk
-    return int(np.memmap(path, dtype=dtype, mode="r", offset=lo * np.dtype(dtype).itemsize, shape=(hi - lo,)).max())
+    return int(np.memmap(path, dtype=dtype, mode="r", offset=lo * np.dtype(dtype).itemsize,
+                         shape=(hi - lo,)).max())
 
 
 def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
@@ -769,25 +836,29 @@ def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) 
                             "check --token-dtype (uint16 or uint32)")
         counts[path] = size // dtype.itemsize
     step = PART_BYTES // dtype.itemsize
-    chunks = [(str(p), dtype.name, lo, min(n, lo + step)) for p, n in counts.items() for lo in range(0, n, step)]
-    print(f"data: checking {sum(counts.values())} tokens of {len(counts)} token files against the vocabulary "
-          f"({vocab})")
+    chunks = [(str(p), dtype.name, lo, min(n, lo + step)) for p, n in counts.items()
+              for lo in range(0, n, step)]
+    print(f"data: checking {sum(counts.values())} tokens of {len(counts)} token files against the "
+          f"vocabulary ({vocab})")
     for chunk, top in zip(chunks, in_order(largest_id, chunks, data_workers(cfg))):
         if top >= vocab:
-            raise DataError(f"{chunk[0]}: token id {top} is not below the vocabulary size {vocab}; give the "
-                            "--tokenizer-vocab-size (or --tokenizer) of the tokenizer that wrote it, and its "
-                            "--token-dtype")
+            raise DataError(f"{chunk[0]}: token id {top} is not below the vocabulary size {vocab}; "
+                            "give the --tokenizer-vocab-size (or --tokenizer) of the tokenizer "
+                            "that wrote it, and its --token-dtype")
     train = sources["train"][0]
     if sources["val"]:
-        files = {"train": [str(train), 0, counts[train]], "val": [str(sources["val"][0]), 0, counts[sources["val"][0]]]}
+        files = {"train": [str(train), 0, counts[train]],
+                 "val": [str(sources["val"][0]), 0, counts[sources["val"][0]]]}
     else:
         n_val = held_out(cfg, counts[train])
-        files = {"train": [str(train), 0, counts[train] - n_val], "val": [str(train), counts[train] - n_val, n_val]}
-    manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": {}, "tokenizer_path": str(model or ""),
-                "vocab_size": vocab, "dtype": dtype.name, "train_tokens": files["train"][2],
-                "val_tokens": files["val"][2], "val_fraction": None if sources["val"] else cfg.val_fraction,
-                "digests": data_digests(sources["train"], sources["val"], identity["sha256"], sp, data_workers(cfg)),
-                "token_files": files}
+        files = {"train": [str(train), 0, counts[train] - n_val],
+                 "val": [str(train), counts[train] - n_val, n_val]}
+    manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": {},
+                "tokenizer_path": str(model or ""), "vocab_size": vocab, "dtype": dtype.name,
+                "train_tokens": files["train"][2], "val_tokens": files["val"][2],
+                "val_fraction": None if sources["val"] else cfg.val_fraction,
+                "digests": data_digests(sources["train"], sources["val"], identity["sha256"], sp,
+                                        data_workers(cfg)), "token_files": files}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -800,8 +871,10 @@ def random_tokens(cfg: DataConfig, seed: int) -> Dataset:
     beyond the unigram distribution; the loss should sit near log(vocab)."""
     seq_len, vocab = cfg.seq_len or TEXT_SEQ_LEN, cfg.tokenizer_vocab_size
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    train = np.random.default_rng(seed).integers(0, vocab, RANDOM_ROWS[0] * (seq_len + 1), dtype=dtype)
-    val = np.random.default_rng(SYNTH_VAL_SEED).integers(0, vocab, RANDOM_ROWS[1] * (seq_len + 1), dtype=dtype)
+    train = np.random.default_rng(seed).integers(0, vocab, RANDOM_ROWS[0] * (seq_len + 1),
+                                                 dtype=dtype)
+    val = np.random.default_rng(SYNTH_VAL_SEED).integers(0, vocab, RANDOM_ROWS[1] * (seq_len + 1),
+                                                         dtype=dtype)
     return Dataset(train, val, seq_len, seq_len + 1, vocab, seed)
 
 
@@ -811,15 +884,16 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
     if cfg.dataset == "synthetic":
         train = synthetic_rows(cfg.synthetic_train_samples, np.random.default_rng(seed))
         val = synthetic_rows(cfg.synthetic_val_samples, np.random.default_rng(SYNTH_VAL_SEED))
-        return Dataset(train.reshape(-1), val.reshape(-1), SYNTH_ROW - 1, SYNTH_ROW, SYNTH_VOCAB, seed)
+        return Dataset(train.reshape(-1), val.reshape(-1), SYNTH_ROW - 1, SYNTH_ROW, SYNTH_VOCAB,
+                       seed)
     if cfg.dataset == "random":
         return random_tokens(cfg, seed)
     _, val_paths, _, inputs = resolve_inputs(cfg)
     out = cache_dir_for(cfg)
     manifest = valid_manifest(out, inputs)
     if manifest is None:
-        raise DataError(f"--dataset {cfg.dataset}: no valid token cache in {out} (missing, or the corpus or "
-                        "tokenizer changed); run prepare_data first")
+        raise DataError(f"--dataset {cfg.dataset}: no valid token cache in {out} (missing, or the "
+                        "corpus or tokenizer changed); run prepare_data first")
     check_lengths(cfg, manifest, bool(val_paths))
     seq_len, dtype = cfg.seq_len or TEXT_SEQ_LEN, np.dtype(manifest["dtype"])
     train, val = (np.memmap(f, dtype=dtype, mode="r", offset=lo * dtype.itemsize, shape=(n,))
@@ -831,16 +905,17 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
 
 
 def main(argv=None) -> int:
-    """python data.py: build the token cache that train_fsdp.py with the same data flags builds, as a
-    CPU job ahead of the training job (docs/data.md)."""
+    """python data.py: build the token cache that train_fsdp.py with the same data flags builds, as
+    a CPU job ahead of the training job (docs/data.md)."""
     parser = argparse.ArgumentParser(
-        description="Build the token cache that train_fsdp.py builds for the same data flags (its [data] section), "
-                    "on this machine's cores, ahead of the training job.")
-    parser.add_argument("--config", default="", help="TOML file whose [data] table sets these flags, as the "
-                        "trainer's --config (the command line wins)")
+        description="Build the token cache that train_fsdp.py builds for the same data flags (its "
+        "[data] section), on this machine's cores, ahead of the training job.")
+    parser.add_argument("--config", default="", help="TOML file whose [data] table sets these "
+                        "flags, as the trainer's --config (the command line wins)")
     for f in dataclasses.fields(DataConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=argparse.SUPPRESS,
-                            choices=f.metadata["choices"], help=f.metadata["help"])
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+                            default=argparse.SUPPRESS, choices=f.metadata["choices"],
+                            help=f.metadata["help"])
     args = vars(parser.parse_args(argv))
     try:
         values = config_data_table(args.pop("config"))
@@ -868,11 +943,13 @@ def config_data_table(path: str) -> dict:
     fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     for key, value in table.items():
         if key not in fields:
-            raise DataError(f"--config {path}: [data] has no setting '{key}'; valid: {', '.join(fields)}")
+            raise DataError(f"--config {path}: [data] has no setting '{key}'; valid: "
+                            f"{', '.join(fields)}")
         want = type(fields[key].default)
         if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
             if not (want is float and isinstance(value, int)):
-                raise DataError(f"--config {path}: [data] {key} = {value!r} must be a {want.__name__}")
+                raise DataError(f"--config {path}: [data] {key} = {value!r} must be a "
+                                f"{want.__name__}")
     return table
 
 

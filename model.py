@@ -29,7 +29,8 @@ SIZE_PRESETS = {
     "350m": dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=0),
     "1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, ffn_hidden=8192),
     "1.5b": dict(n_layer=24, d_model=2048, n_head=16, n_kv_head=8, ffn_hidden=8192),
-    "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, rope_theta=500000.0),
+    "8b": dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, ffn_hidden=14336,
+               rope_theta=500000.0),
 }
 
 
@@ -40,8 +41,10 @@ def opt(default, help, choices=None):
 
 @dataclass
 class ModelConfig:
-    arch: str = opt("free", "free (Free Transformer) or baseline (plain decoder)", ["free", "baseline"])
-    size: str = opt("", "named size preset: " + ", ".join(SIZE_PRESETS) + "; empty = use the fields below")
+    arch: str = opt("free", "free (Free Transformer) or baseline (plain decoder)",
+                    ["free", "baseline"])
+    size: str = opt("", "named size preset: " + ", ".join(SIZE_PRESETS) + "; empty = use the "
+                    "fields below")
     n_layer: int = opt(4, "decoder blocks (even for the Free Transformer)")
     d_model: int = opt(128, "model width D")
     n_head: int = opt(4, "attention heads")
@@ -56,19 +59,21 @@ class ModelConfig:
     latent_bits: int = opt(16, "H: bits of the Free Transformer's latent (2^H codes)")
     kappa: float = opt(math.log(2) / 2, "free bits per token, in nats (log(2)/2 = half a bit)")
     mapper_chunk: int = opt(4096, "tokens per chunk in the Binary Mapper's backward")
-    latent_init: str = opt("bits", "post-sampler table init: bits (each row a linear map of its code's +-1 bits) "
-                           "or random (iid rows)", ["bits", "random"])
-    latent_inject: str = opt("post_norm", "where R joins the key/value input of the first upper block: pre_norm "
-                             "(x + R, then the block's RMSNorm; the paper) or post_norm (after the norm, so R's "
-                             "share does not shrink with width)", ["pre_norm", "post_norm"])
-    latent_std: float = opt(1.0, "rms of the post-sampler rows (of R) at init; under post_norm, R's size against "
-                            "the normalised stream")
+    latent_init: str = opt("bits", "post-sampler table init: bits (each row a linear map of its "
+                           "code's +-1 bits) or random (iid rows)", ["bits", "random"])
+    latent_inject: str = opt("post_norm", "where R joins the key/value input of the first upper "
+                             "block: pre_norm (x + R, then the block's RMSNorm; the paper) or "
+                             "post_norm (after the norm, so R's share does not shrink with width)",
+                             ["pre_norm", "post_norm"])
+    latent_std: float = opt(1.0, "rms of the post-sampler rows (of R) at init; under post_norm, "
+                            "R's size against the normalised stream")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may change
     # the size preset's name (its fields are compared one by one) and the chunking of the Binary
     # Mapper's backward: neither changes what it computes.
     RESUME_FREE: typing.ClassVar = frozenset({"size", "mapper_chunk"})
-    PRESETS: typing.ClassVar = {"size": {name: {"model": shape} for name, shape in SIZE_PRESETS.items()}}
+    PRESETS: typing.ClassVar = {"size": {name: {"model": shape}
+                                         for name, shape in SIZE_PRESETS.items()}}
 
     def check(self):
         check_model_config(self)
@@ -97,7 +102,8 @@ def saved_fields(table):
     """A saved run's model table with the fields it predates filled in with the values it was
     trained with: runs saved before the latent settings existed added R before the norm, with
     iid rows of std init_std. Read every saved config through this, never with today's defaults."""
-    before = {"latent_init": "random", "latent_inject": "pre_norm", "latent_std": table.get("init_std", 0.02)}
+    before = {"latent_init": "random", "latent_inject": "pre_norm",
+              "latent_std": table.get("init_std", 0.02)}
     return {**before, **table}
 
 
@@ -116,11 +122,13 @@ def check_model_config(cfg):
     if cfg.arch not in ("free", "baseline"):
         raise ValueError(f"--arch {cfg.arch!r}: valid values are free, baseline")
     if cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2:
-        raise ValueError(f"--d-model {cfg.d_model} must be a multiple of --n-head {cfg.n_head} with an even head size")
+        raise ValueError(f"--d-model {cfg.d_model} must be a multiple of --n-head {cfg.n_head} "
+                         "with an even head size")
     if cfg.n_head % (cfg.n_kv_head or cfg.n_head):
         raise ValueError(f"--n-kv-head {cfg.n_kv_head} must divide --n-head {cfg.n_head}")
     if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
-        raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of blocks >= 2")
+        raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of "
+                         "blocks >= 2")
     if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
         raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
 
@@ -133,7 +141,8 @@ def resolve_model_config(cfg, data_vocab_size=0):
     if data_vocab_size and cfg.vocab_size == 0:
         cfg.vocab_size = data_vocab_size
     elif cfg.vocab_size < data_vocab_size:
-        raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than the data's {data_vocab_size}")
+        raise ValueError(f"--vocab-size {cfg.vocab_size} is smaller than the data's "
+                         f"{data_vocab_size}")
     if cfg.n_kv_head == 0:
         cfg.n_kv_head = cfg.n_head
     if cfg.ffn_hidden == 0:
@@ -168,7 +177,8 @@ def rope_cos_sin(seq_len, head_dim, theta, device, offset=0):
     They are not registered buffers on purpose: FSDP's MixedPrecision(buffer_dtype=bf16) would
     cast a buffer to bf16, and bf16 positions lose precision past a few hundred tokens.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     return freqs.cos(), freqs.sin()
@@ -213,7 +223,8 @@ class Attention(nn.Module):
             cache["k"], cache["v"] = k, v
         # SDPA picks the flash / memory-efficient kernel on GPU; enable_gqa shares each key/value
         # head among n_head / n_kv_head query heads without copying them.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.n_kv_head != self.n_head,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                           enable_gqa=self.n_kv_head != self.n_head,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -250,7 +261,8 @@ class DecoderBlock(nn.Module):
             kv = h
         else:
             base = h if self.inject == "post_norm" else x
-            ratio = (kv_extra.float().pow(2).mean().sqrt() / base.float().pow(2).mean().sqrt()).detach()
+            ratio = (kv_extra.float().pow(2).mean().sqrt()
+                     / base.float().pow(2).mean().sqrt()).detach()
             kv = base + kv_extra if self.inject == "post_norm" else self.attn_norm(x + kv_extra)
         x = x + self.drop(self.attn(h, kv, cos, sin, causal=True, cache=cache))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
@@ -299,9 +311,9 @@ def code_probs(z_logits, bits):
 
 
 class _BinaryMapperST(torch.autograd.Function):
-    """Forward: R = W[d], a row lookup (the mapper's value is one-hot). Backward: the straight-through
-    gradient of Y + G - sg(G), for bit h sum_d M[d] G[d] (bit_h(d) - p_h) with M = dR @ W^T,
-    without ever forming the (tokens, 2^H) G."""
+    """Forward: R = W[d], a row lookup (the mapper's value is one-hot). Backward: the
+    straight-through gradient of Y + G - sg(G), for bit h sum_d M[d] G[d] (bit_h(d) - p_h) with M =
+    dR @ W^T, without ever forming the (tokens, 2^H) G."""
 
     @staticmethod
     def forward(ctx, z_logits, codes, weight, chunk):
@@ -324,8 +336,10 @@ class _BinaryMapperST(torch.autograd.Function):
             lg = flat_logits[s:s + ctx.chunk]
             n = lg.shape[0]
             # M = dR @ W^T in the weight's dtype (a GEMM the size of a 2^H-wide LM head), then fp32.
-            m = (flat_grad[s:s + ctx.chunk].to(weight.dtype) @ weight.T).float().view(n, 2 ** (n_bits - lo), 2 ** lo)
-            g_lo, g_hi = code_probs(lg[:, :lo], bits_lo), code_probs(lg[:, lo:], bits_hi)  # fp32, ~2^-H/2
+            chunk = flat_grad[s:s + ctx.chunk].to(weight.dtype)
+            m = (chunk @ weight.T).float().view(n, 2 ** (n_bits - lo), 2 ** lo)
+            # g_lo, g_hi: fp32, ~2^-H/2
+            g_lo, g_hi = code_probs(lg[:, :lo], bits_lo), code_probs(lg[:, lo:], bits_hi)
             q_lo = g_lo * torch.bmm(g_hi[:, None, :], m)[:, 0]  # sum of M*G over the high bits
             q_hi = g_hi * torch.bmm(m, g_lo[:, :, None])[:, :, 0]  # ... over the low bits
             total = q_lo.sum(-1, keepdim=True)  # sum_d M[d] G[d]
@@ -343,7 +357,8 @@ def sample_codes(z_logits, generator=None):
     p = torch.sigmoid(z_logits.float())
     # rand_like, not rand(p.shape): under torch.compile with a dynamic batch (a ragged last
     # validation batch) p.shape is symbolic and torch.rand refuses it.
-    u = torch.rand_like(p) if generator is None else torch.rand(p.shape, device=p.device, generator=generator)
+    u = (torch.rand_like(p) if generator is None
+         else torch.rand(p.shape, device=p.device, generator=generator))
     b = (u < p).long()
     return (b << torch.arange(b.shape[-1], device=b.device)).sum(-1)
 
@@ -392,8 +407,9 @@ class Transformer(nn.Module):
 
     @staticmethod
     def muon_filter(name, p):
-        """--optimizer muon's hidden matrices: the 2-D weights of the blocks and of the Free Transformer's
-        encoder. The embedding, the head and the post-sampler table (rows looked up by token or code) take AdamW."""
+        """--optimizer muon's hidden matrices: the 2-D weights of the blocks and of the Free
+        Transformer's encoder. The embedding, the head and the post-sampler table (rows looked up by
+        token or code) take AdamW."""
         return p.dim() == 2 and name.startswith(("blocks.", "latent.encoder."))
 
     # Eager even inside a compiled model: compiled, inductor fuses the tables' sin and cos into
@@ -401,7 +417,8 @@ class Transformer(nn.Module):
     # once per forward, they are an input.
     @torch.compiler.disable
     def rope(self, seq_len, device, offset=0):
-        return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, device, offset)
+        return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta,
+                            device, offset)
 
     def forward(self, idx, mode="training", z=None, cache=None):
         """Returns (logits, latent); latent is always None for the baseline. `cache` is a list of
@@ -420,8 +437,8 @@ class Transformer(nn.Module):
         return flops_per_token(self.cfg, seq_len)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None, prompt_z="prior",
-                 generator=None):
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None,
+                 prompt_z="prior", generator=None):
         """Sample max_new_tokens after prompt_ids (B, T0) with a KV cache; call model.eval() first.
         Returns (tokens, codes or None); a seeded `generator` makes the samples reproducible.
         For the Free Transformer's Z, see latent_codes."""
@@ -484,9 +501,9 @@ class LatentSampler(nn.Module):
 
 
 class FreeTransformer(Transformer):
-    evaluation_note = ("validation: loss = nll_bound = CE + KL, a bound on the NLL comparable with a baseline's CE; "
-                       "ce reads Z from the encoder, which has seen the row (not comparable); prior_ce: Z from the "
-                       "prior, as in generation")
+    evaluation_note = ("validation: loss = nll_bound = CE + KL, a bound on the NLL comparable with "
+                       "a baseline's CE; ce reads Z from the encoder, which has seen the row (not "
+                       "comparable); prior_ce: Z from the prior, as in generation")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -517,12 +534,14 @@ class FreeTransformer(Transformer):
 
     def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
         """Z for every position of a generation: `z` (B, T0 + new) if given; else each position's Z
-        is drawn once from the uniform prior. prompt_z="prior" (default) is the generative model that
-        training fits; "encoder" reads the prompt alone, an input the encoder never saw (it saw whole rows)."""
+        is drawn once from the uniform prior. prompt_z="prior" (default) is the generative model
+        that training fits; "encoder" reads the prompt alone, an input the encoder never saw (it saw
+        whole rows)."""
         B, T0 = prompt_ids.shape
         if z is not None:
             if tuple(z.shape) != (B, total):
-                raise ValueError(f"z has shape {tuple(z.shape)}; expected (batch, prompt + new) = {(B, total)}")
+                raise ValueError(f"z has shape {tuple(z.shape)}; expected (batch, prompt + new) = "
+                                 f"{(B, total)}")
             return z
         codes = torch.randint(0, 2 ** self.cfg.latent_bits, (B, total), device=prompt_ids.device,
                               generator=generator)
@@ -552,21 +571,24 @@ def build_model(cfg):
 
 
 def lm_loss(logits, targets, latent=None, kappa=0.0):
-    """Cross-entropy, plus for the Free Transformer (`latent`, the forward's second output) the free-bits
-    KL term mean_t max(0, KL_t - kappa), hinged per token. Returns (total, {"ce", "kl", "r_rms_ratio"}),
-    the parts detached for logging: KL or r_rms_ratio falling towards 0 is posterior collapse."""
+    """Cross-entropy, plus for the Free Transformer (`latent`, the forward's second output) the
+    free-bits KL term mean_t max(0, KL_t - kappa), hinged per token. Returns (total, {"ce", "kl",
+    "r_rms_ratio"}), the parts detached for logging: KL or r_rms_ratio falling towards 0 is
+    posterior collapse."""
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     if latent is None:
         return ce, {"ce": ce.detach()}
     kl = latent_kl(latent["z_logits"])
     total = ce + torch.clamp(kl - kappa, min=0.0).mean()
-    return total, {"ce": ce.detach(), "kl": kl.mean().detach(), "r_rms_ratio": latent["r_rms_ratio"]}
+    return total, {"ce": ce.detach(), "kl": kl.mean().detach(),
+                   "r_rms_ratio": latent["r_rms_ratio"]}
 
 
 def comparable_losses(model, x, y, parts):
-    """The Free Transformer's figures that compare with a baseline's CE, which its own CE does not: Z
-    from the encoder has seen the row. nll_bound = CE + KL bounds -log p(x) per token (Z_t uniform
-    under the prior); prior_ce is the CE with Z from the prior, as in generation (one more forward)."""
+    """The Free Transformer's figures that compare with a baseline's CE, which its own CE does not:
+    Z from the encoder has seen the row. nll_bound = CE + KL bounds -log p(x) per token (Z_t uniform
+    under the prior); prior_ce is the CE with Z from the prior, as in generation (one more
+    forward)."""
     prior_logits, _ = model(x, mode="inference")
     prior_ce, _ = lm_loss(prior_logits, y)  # no latent: the CE alone
     bound = parts["ce"] + parts["kl"]
@@ -588,9 +610,10 @@ def matmul_params(cfg):
 
 
 def flops_per_token(cfg, seq_len):
-    """6 * N_matmul (forward and backward) plus causal attention, 6 * L * D * T: half the 12 * L * D * T
-    of torchtitan and nanoGPT, so the MFU is the conservative one. The Free Transformer adds its
-    non-causal encoder attention (12 * D * T) and the Binary Mapper's backward GEMM (2 * 2^H * D)."""
+    """6 * N_matmul (forward and backward) plus causal attention, 6 * L * D * T: half the
+    12 * L * D * T of torchtitan and nanoGPT, so the MFU is the conservative one. The Free
+    Transformer adds its non-causal encoder attention (12 * D * T) and the Binary Mapper's backward
+    GEMM (2 * 2^H * D)."""
     flops = 6 * matmul_params(cfg) + 6 * cfg.n_layer * cfg.d_model * seq_len
     if cfg.arch == "free":
         flops += 12 * cfg.d_model * seq_len + 2 * 2 ** cfg.latent_bits * cfg.d_model

@@ -394,10 +394,9 @@ def hybrid_shard_size(cfg, topo):
 
 
 def rank0_does(fn, rank, failure=BadInput, what="its file work"):
-    """Run fn on rank 0 only (file-system work: a token cache, a checkpoint's files); every rank
-    returns its result or raises failure(its error), so that no rank is left waiting alone. However
-    long fn takes, no collective times out: rank 0 runs it in a thread and says every tenth of
-    COLLECTIVE_TIMEOUT that it is still at work."""
+    """Run fn on rank 0 only (file-system work: a token cache, a checkpoint's files); every rank returns its result
+    or raises failure(its error), so that no rank is left waiting alone. However long fn takes, no collective times
+    out: rank 0 runs it in a thread and says every tenth of COLLECTIVE_TIMEOUT that it is still at work."""
     box = [None, None]  # error, result
     if rank == 0:
         work = threading.Thread(target=run_into, args=(fn, box), daemon=True)
@@ -441,9 +440,8 @@ def error_line(e):
 
 
 # =============================================================================================
-# Wrapping: the model on its device as FSDP1 or FSDP2 units, DDP or plain. Each distributed choice
-# below is one function that branches on the strategy (the checks and defaults it resolves are in
-# check_strategy and resolve_strategy, with the command line).
+# Wrapping: the model on its device as FSDP1 or FSDP2 units, DDP or plain. Each choice below branches on the
+# strategy; its checks and the defaults it resolves are check_strategy and resolve_strategy, at the end.
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
@@ -770,8 +768,8 @@ def build_optimizer(model, cfg, lr, device, about):
 
 
 def schedule_length(t, saved):
-    """--lr-decay-steps when 0: the schedule's length is the first launch's, so a resume keeps it
-    (`saved`: that run's train settings); a new run takes it from --max-steps."""
+    """--lr-decay-steps when 0: the first launch's (`saved`: its train settings), so that a resume keeps
+    the schedule; a new run takes it from --max-steps."""
     for steps in (t.lr_decay_steps, saved.get("lr_decay_steps"), saved.get("max_steps")):
         if steps:
             return steps
@@ -872,9 +870,8 @@ def all_reduce_scalars(values, device, op=dist.ReduceOp.SUM):
 
 
 class NonFinite:
-    """The first step whose loss (or gradient norm) is not finite, kept on the device without a sync
-    per step and checked on every rank (a collective) at log steps and before every save. Under fp16
-    the scaler owns non-finite gradients; under --skip-nonfinite the step is skipped and said."""
+    """The first step whose loss (or gradient norm) is not finite, kept on the device without a sync per step and
+    checked on every rank (a collective) at log steps and before every save. Under fp16 the scaler owns gradients."""
 
     NEVER = 2 ** 62
 
@@ -988,7 +985,6 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
 
 
 def close_all(checkpointer, bar, log, profiler, stopper):
-    """After the loop, finished or not: the background save, the bar, trackers, profiler, signals."""
     checkpointer.close()
     bar.close()
     log.close_trackers()
@@ -1029,7 +1025,6 @@ def set_lr(optimizer, lr):
 
 
 def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
-    """The first validation: a finished run resumed is evaluated (on every rank), not trained."""
     if step < plan.max_steps:
         return {}
     log.line(f"{cfg.train.out_dir} already finished at step {step} (max_steps {plan.max_steps}): "
@@ -1704,7 +1699,6 @@ def checkpoint_weights(path):
 
 
 def check_init_from_shapes(cfg, model, topo):
-    """--init-from: the checkpoint exists and its shapes are the model's (checked on rank 0)."""
     if cfg.checkpoint.init_from:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         rank0_does(lambda: check_init_from(cfg.checkpoint.init_from, shapes), topo.rank)
@@ -2233,12 +2227,18 @@ class StartClock:
 
 
 def keep_compile_cache(cfg):
-    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run there,
-    a resume and a requeue to another node find them. Their keys hold the torch version, the device and
-    the graph: another version's, card's or model's entries are never used, only missed (compiled anew)."""
+    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run, a resume and a
+    requeue to another node find them (another torch's, card's or model's entries are only missed). Made here, before
+    the run directory: a path that cannot be made is one line, not a traceback at the first compile."""
     if cfg.train.compile:
         beside = os.path.join(os.path.dirname(os.path.abspath(cfg.train.out_dir)), ".compile_cache")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
+        cache = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
+        try:
+            os.makedirs(cache, exist_ok=True)
+        except OSError as e:
+            raise BadInput(f"compile cache {cache}: {e.strerror}; give --compile-cache a directory this process "
+                           "can create and write") from None
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
 
 
 def compile_cache_note(cfg):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import script_runner
 import torch
 
 from test_distributed import ROOT, clean_env
@@ -62,3 +63,16 @@ def test_evaluation_compiles_nothing_and_a_resume_reuses_the_compile_cache(tmp_p
         ce = torch.nn.functional.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).item()
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert abs(ce - logged[-1]["val_loss"]) <= 1e-6 * ce
+
+
+def test_a_compile_cache_that_cannot_be_made_is_one_line_and_nothing_is_written(tmp_path):
+    """--compile-cache under a regular file: one error line and exit 2 before the run directory
+    exists, not a traceback at the first step's compile."""
+    (tmp_path / "file").write_text("")
+    args = [*TINY, "--compile-cache", tmp_path / "file" / "cache", "--out-dir", tmp_path / "run"]
+    res = script_runner.run(os.path.join(ROOT, "train_fsdp.py"), args, ROOT, clean_env())
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"error: compile cache {tmp_path / 'file' / 'cache'}: Not a directory; give --compile-cache a "
+        "directory this process can create and write"]
+    assert sorted(os.listdir(tmp_path)) == ["file"]

@@ -47,7 +47,15 @@ import script_runner  # noqa: E402
 import data as data_lib  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_checkpoint import Workers, cli, error_line, latest_name, leftovers, n_loss_records, snapshot  # noqa: E402
+from test_checkpoint import (  # noqa: E402
+    Workers,
+    cli,
+    error_line,
+    latest_name,
+    leftovers,
+    n_loss_records,
+    snapshot,
+)
 from test_data import english  # noqa: E402
 from test_distributed import TINY, clean_env  # noqa: E402
 

@@ -12,7 +12,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import script_runner  # noqa: E402
 
-from test_distributed import TINY, assert_same, clean_env, launch, rank0_share, rendezvous_store, run_forked  # noqa: E402
+from test_distributed import (  # noqa: E402
+    TINY,
+    assert_same,
+    clean_env,
+    launch,
+    rank0_share,
+    rendezvous_store,
+    run_forked,
+)
 
 
 def two_nodes(tmp_path, per_node, runs, tag):

@@ -136,3 +136,19 @@ def test_every_make_target_in_the_readme_exists():
     out = subprocess.run(["make", "--no-print-directory", "-n", "bench", "SUITE=multi", "BENCH_ARGS=--only DDP"],
                          cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out.endswith("bench.py --suite multi --only DDP")
+
+
+def test_the_reading_guide_names_places_that_exist():
+    """The README's reading guide of train_fsdp.py (its bullet) names functions and classes that the
+    file defines, and main() where it says."""
+    guide = README.split("- `train_fsdp.py`:", 1)[1].split("\n- ", 1)[0]
+    source = read("train_fsdp.py")
+    names = [n for n in re.findall(r"`(\w+)(?:\(\))?`", guide) if n not in ("MixedPrecision", "no_sync")]
+    assert len(names) >= 10
+    for name in names:
+        assert re.search(rf"^(def|class) {name}\b", source, re.M), name
+    assert source[:source.index("\ndef main(")].count("\n") < 1000  # "before line 1,000"
+
+
+def test_readme_is_a_front_page_under_20_kb():
+    assert len(README.encode()) < 20 * 1024  # reference tables and studies live in docs/
