@@ -18,15 +18,17 @@ import data  # noqa: E402
 from test_data import english, text_cfg  # noqa: E402
 from test_distributed import clean_env, run_ranks  # noqa: E402
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+
+def parquet():
+    """pyarrow's parquet module: optional, as it is for users (the tests without Parquet run without it)."""
+    return pytest.importorskip("pyarrow.parquet")
 
 
 def serial_documents(path: Path):
     """The documents of a file as the serial build read them (before the parallel one): a .txt file
     line by line in text mode, one document; a .jsonl line or a Parquet row, one document."""
     if path.suffix == ".parquet":
-        for text in pq.read_table(path).column("text").to_pylist():
+        for text in parquet().read_table(path).column("text").to_pylist():
             yield text.splitlines(keepends=True)
         return
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -84,13 +86,14 @@ def write_corpora(root: Path) -> dict:
     jsonl.mkdir()
     (jsonl / "0.jsonl").write_text("".join(lines[:30]))
     (jsonl / "1.jsonl").write_text("".join(lines[30:]))
-    parquet = root / "parquet"
-    parquet.mkdir()
+    shards = root / "parquet"
+    shards.mkdir()
+    pa, pq = pytest.importorskip("pyarrow"), parquet()
     for i in range(2):
         table = pa.table({"id": list(range(31)), "text": docs[31 * i:31 * i + 31]})
-        pq.write_table(table, parquet / f"{i}.parquet", row_group_size=7)  # 5 row groups a shard
-    return {"txt": root / "one.txt", "txt directory": shards, "jsonl directory": jsonl,
-            "parquet directory": parquet}
+        pq.write_table(table, shards / f"{i}.parquet", row_group_size=7)  # 5 row groups a shard
+    return {"txt": root / "one.txt", "txt directory": root / "books", "jsonl directory": jsonl,
+            "parquet directory": shards}
 
 
 @pytest.mark.parametrize("part_bytes", [64, 1000, 8 << 20])
