@@ -17,11 +17,11 @@ import data  # noqa: E402
 from test_data import english, raises_one_line, text_cfg  # noqa: E402
 from test_distributed import clean_env  # noqa: E402
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-
 
 def parquet(path: Path, **columns):
+    """A Parquet file of these columns, 4 rows a row group (pyarrow is optional: the tests of token
+    files run without it)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table(columns), path, row_group_size=4)
     return path
 
@@ -73,6 +73,7 @@ def test_bad_parquet_is_one_line_and_writes_nothing(tmp_path, case, message):
     elif case == "null":
         parquet(path, text=[english(3, seed=i) for i in range(5)] + [None, "z"])
     elif case == "empty shard":
+        pa = pytest.importorskip("pyarrow")
         parquet(path, text=pa.array([], pa.string()))
     else:
         parquet(path, text=[english(30)])
