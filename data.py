@@ -907,7 +907,7 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
 def main(argv=None) -> int:
     """python data.py: build the token cache that train_fsdp.py with the same data flags builds, as
     a CPU job ahead of the training job (docs/data.md)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Build the token cache that train_fsdp.py builds for the same data flags (its "
         "[data] section), on this machine's cores, ahead of the training job.")
     parser.add_argument("--config", default="", help="TOML file whose [data] table sets these "
@@ -929,6 +929,14 @@ def main(argv=None) -> int:
     else:
         print(f"data: the token cache is ready in {cache_dir_for(cfg)}")
     return 0
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags are one error line and exit 2, as the trainer's."""
+
+    def error(self, message):
+        print(f"error: {message} (python data.py --help lists the flags)", file=sys.stderr)
+        sys.exit(2)
 
 
 def config_data_table(path: str) -> dict:

@@ -209,6 +209,7 @@ def test_data_py_builds_the_cache_the_run_reads(tmp_path):
     (["--dataset", "nope.txt"], "--dataset nope.txt: no such file or directory"),
     (["--dataset", "c.txt", "--data-workers", "-1"], "--data-workers -1: must be at least 1, or 0 for every core"),
     (["--config", "bad.toml", "--dataset", "c.txt"], "--config bad.toml: [data] has no setting 'vocab'; valid: "),
+    (["--dataset", "c.txt", "--data-workers", "x"], "argument --data-workers: invalid int value: 'x'"),
 ])
 def test_data_py_bad_input_is_one_error_line_and_writes_nothing(tmp_path, args, message):
     (tmp_path / "c.txt").write_text(english(50))
