@@ -656,12 +656,11 @@ def batched(iterable, n: int):
 
 
 def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, bar) -> int:
-    """Tokenise the parts into dest, in order, on `workers` processes; returns the number of
-    tokens."""
+    """Tokenise the parts into dest, in order, on `workers` processes; returns the tokens' count."""
     n, skip = 0, len(separator(sp))  # the stream starts with a separator: drop it
+    encoded = in_order(encode_part, parts, workers, start_worker, (str(model),))
     with open(dest, "wb") as f:
-        for part, tokens in zip(parts, in_order(encode_part, parts, workers, start_worker,
-                                                (str(model),))):
+        for part, tokens in zip(parts, encoded):
             kept = tokens[skip:]
             kept.tofile(f)
             n += len(kept)
