@@ -454,7 +454,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     regional = cfg.train.compile and compiles_blocks(cfg, n_params)
     mode = compile_mode(cfg, n_params)
     order = init_order(model, units)  # before compile wrappers change the module tree
-    if compiles_in_place(cfg):
+    if regional and strategy != "fsdp2":
         for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
             b.forward = torch.compile(b.forward, mode=mode)
     elif cfg.train.compile and strategy == "fsdp":  # in place too: dynamo would trace FSDP1's own forward,
@@ -546,14 +546,11 @@ def compile_mode(cfg, n_params):
     return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not recomputes_compiled_blocks(cfg) else "default"
 
 
-def compiles_in_place(cfg):
-    """--compile-scope blocks outside fsdp2: each block's forward is compiled in place, before wrapping."""
-    return cfg.train.compile and cfg.train.compile_scope == "blocks" and cfg.train.strategy != "fsdp2"
-
-
 def recomputes_compiled_blocks(cfg):
-    """Checkpointed blocks compiled in place rerun their compiled forward in backward: CUDA graphs cannot record it."""
-    return cfg.fsdp.activation_checkpointing and compiles_in_place(cfg)
+    """Checkpointed blocks compiled in place (--compile-scope blocks outside fsdp2) rerun their compiled forward in
+    backward: CUDA graphs cannot record it."""
+    t = cfg.train
+    return cfg.fsdp.activation_checkpointing and t.compile and t.compile_scope == "blocks" and t.strategy != "fsdp2"
 
 
 def fsdp_kwargs(cfg, units, topo):
@@ -907,8 +904,10 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
-    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
-        return export_command(argv)
+    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N, given alone
+        if len(argv) != 2:
+            raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
+        return export_checkpoint(argv[1])
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(
         argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
@@ -1415,8 +1414,7 @@ def save_failed(meta):
 
 
 def publish_checkpoint(path, meta, keep, keep_best=False):
-    """Rank 0, once every rank has written into the staging directory: meta.json with the file
-    sizes, the atomic rename, `latest`, `best`, then pruning to the newest `keep` and the best."""
+    """Rank 0, once every rank has written into the staging directory; keeps the newest `keep` and the best."""
     tmp, root, name = staging_path(path), os.path.dirname(path), os.path.basename(path)
     files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
              for d, _, fs in os.walk(tmp) for f in fs}
@@ -1608,10 +1606,8 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
     error = None  # (message, the exception every rank raises) of this rank
     try:
         load_states(path, meta, model, optimizer, scaler, topo, cfg.train.seed)
-    except RunFailed as e:  # readable, but not resumable (e.g. saved without optimizer state)
-        error = (str(e), RunFailed)
-    except BadInput as e:  # a file that asks to run code: stop, not an older checkpoint instead
-        error = (str(e), BadInput)
+    except (RunFailed, BadInput) as e:  # not resumable (no optimizer state) or asks to run code: no older one instead
+        error = (str(e), type(e))
     except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
         error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", RunFailed)
     except (Exception, CheckpointException) as e:
@@ -1625,18 +1621,15 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
 
 def load_states(path, meta, model, optimizer, scaler, topo, seed):
     if meta["type"] == "sharded":
-        state = sharded_state(model, optimizer)  # with empty optimizer state: tensors for DCP to load into
+        state, opts = sharded_state(model, optimizer), None  # empty optimizer state: tensors for DCP to load into
         dcp_load(state, os.path.join(path, "dcp"))
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
-        payload = load_weights_only(os.path.join(path, "model.pt"), mmap=True)
-        if "optim" not in payload:
+        state, opts = load_weights_only(os.path.join(path, "model.pt"), mmap=True), state_dict_options("load")
+        if "optim" not in state:
             raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); start a new run "
                             "from its weights with --init-from instead")
-        opts = state_dict_options("load")
-        set_model_state_dict(model, payload["model"], options=opts)
-        set_optimizer_state_dict(model, optimizer, payload["optim"], options=opts)
+    set_model_state_dict(model, state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=opts)
     if scaler and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
     if meta["world_size"] == topo.world:
@@ -1726,12 +1719,11 @@ def init_weights_from(path, model):
     """Load only the model weights of a checkpoint (fresh optimizer, step 0)."""
     kind, where = checkpoint_weights(path)
     if kind == "full":
-        state = load_weights_only(where, mmap=True)["model"]
-        set_model_state_dict(model, state, options=state_dict_options("init"))
+        state, opts = load_weights_only(where, mmap=True), state_dict_options("init")
     else:
-        state = {"model": get_model_state_dict(model)}
+        state, opts = {"model": get_model_state_dict(model)}, None
         dcp_load(state, where)
-        set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=opts)
 
 
 def require_checkpoint_dir(path, flag, valid):
@@ -1747,12 +1739,6 @@ def require_checkpoint_dir(path, flag, valid):
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
     return path, check_checkpoint(path)
-
-
-def export_command(argv):
-    if len(argv) != 2:  # python train_fsdp.py --export CHECKPOINT_DIR
-        raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-    return export_checkpoint(argv[1])
 
 
 def export_checkpoint(path):
@@ -2267,23 +2253,12 @@ def peak_flops(device):
 
 
 def describe_model(model, plan, wrap_classes):
-    """What the run needs of the plain model before wrapping: its parameter counts, flops per token
-    (the model's own count, else 6 per parameter), what decays, and what its validation figures mean."""
+    """What the run needs of the plain model, read before wrapping: counts, flops per token, decay, Muon, eval note."""
     total = parameter_count(model)
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
     return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "flops": flops, "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
             "hidden": hidden_matrices(model, wrap_classes)}
-
-
-def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
-    """The run's log: the resume notes, the start-up summary, and the trackers asked for."""
-    log = RunLog(cfg.train.out_dir, topo.rank)
-    for note in notes:
-        log.line(note)
-    log_summary(log, cfg, topo, plan, model, about, n_val)
-    log.start_trackers(cfg, start_step)
-    return log
 
 
 def progress_bar(plan, start_step, topo):
@@ -2303,8 +2278,12 @@ def start_profiler(cfg, topo):
     return profiler
 
 
-def log_summary(log, cfg, topo, plan, model, about, n_val):
-    """Rank 0's start-up lines: the config, where it runs, the strategy, parameters, batches, evaluation, saves."""
+def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
+    """The run's log. Rank 0's start-up lines: the resume notes, the config, where it runs, the strategy, parameters,
+    batches, evaluation, saves; then the trackers asked for."""
+    log = RunLog(cfg.train.out_dir, topo.rank)
+    for note in notes:
+        log.line(note)
     t, c, device, n = cfg.train, cfg.checkpoint, topo.device, about["total"]
     per_rank = [None] * topo.world
     dist.all_gather_object(per_rank, local_parameter_count(model))
@@ -2340,6 +2319,8 @@ def log_summary(log, cfg, topo, plan, model, about, n_val):
     log.line(f"run directory: {t.out_dir} | checkpoints: {c.checkpoint_type}, {saves}"
              f"{' in the background (--async-save)' if c.save_every and c.async_save else ''}, keep the newest "
              f"{c.keep_checkpoints}{' and the best' if c.keep_best else ''}")
+    log.start_trackers(cfg, start_step)
+    return log
 
 
 def describe_strategy(cfg, one=False):
@@ -2471,7 +2452,6 @@ def field_type(section, f):
 
 
 def build_arg_parser(cfg=None):
-    """The flags of cfg's fields (by default this project's sections: Config())."""
     parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a flag; "
                            "--config FILE.toml sets the same fields by [section].", allow_abbrev=False)
     parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train], "
@@ -2495,7 +2475,6 @@ def build_arg_parser(cfg=None):
 
 
 def set_field(cfg, section, key, value, source):
-    """cfg.<section>.<key> = value, after checking key, type and choices."""
     sec = sections(cfg).get(section)
     if sec is None:
         raise BadInput(f"{source}: unknown table [{section}]; valid tables: {', '.join(sections(cfg))}")
