@@ -904,10 +904,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
-    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N, given alone
-        if len(argv) != 2:
-            raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-        return export_checkpoint(argv[1])
+    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
+        return export_command(argv)
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(
         argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
@@ -1739,6 +1737,12 @@ def require_checkpoint_dir(path, flag, valid):
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
     return path, check_checkpoint(path)
+
+
+def export_command(argv):
+    if len(argv) != 2:  # --export takes one checkpoint directory and nothing else
+        raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
+    return export_checkpoint(argv[1])
 
 
 def export_checkpoint(path):
