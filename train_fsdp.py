@@ -72,7 +72,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -757,7 +757,8 @@ def build_optimizer(model, cfg, lr, device, about):
                   {"params": [p for n, p in named if n not in decay_names and n not in hidden], "weight_decay": 0.0}]
     # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf: fp16 takes foreach.
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
-    optimizer = (Muon if hidden else torch.optim.AdamW)(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
+    kind = importlib.import_module("muon").Muon if hidden else torch.optim.AdamW  # muon.py
+    optimizer = kind(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
     if hidden:
         optimizer.add_param_group({"params": [p for n, p in named if n in hidden], "weight_decay": t.weight_decay,
                                    "muon": cfg.fsdp.param_dtype, "lr_ratio": (t.muon_lr or t.lr) / t.lr})
@@ -1055,58 +1056,6 @@ def leave(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# =============================================================================================
-# Reference: --optimizer muon. Muon on the hidden matrices, AdamW on the rest, in one optimizer.
-
-
-class Muon(torch.optim.AdamW):
-    """AdamW, but a group with "muon" (the dtype of Newton-Schulz) takes Nesterov momentum orthogonalised and scaled to
-    AdamW's update RMS (0.2 sqrt(max(rows, cols)), torch's match_rms_adamw). One optimizer keeps the schedule, the
-    scaler and checkpoints as they are; torch.optim.Muon takes 2-D tensors only and would orthogonalise shards."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for g in (g for g in self.param_groups if g.get("muon")):
-            params = [p for p in g["params"] if p.grad is not None]
-            lr, decay = g["lr"] * g["lr_ratio"], g["weight_decay"]
-            keys = [(p.shape, getattr(p, "placements", None)) for p in params]
-            for key in dict.fromkeys(keys):  # a shape's matrices: one batch of kernels
-                batch = [p for p, k in zip(params, keys) if k == key]
-                updates = orthogonalised([self.nesterov(p) for p in batch], DTYPES[g["muon"]])
-                for p, update in zip(batch, updates):
-                    scale = 0.2 * math.sqrt(max(p.shape))  # AdamW's update RMS
-                    p.mul_(1 - lr * decay).add_(update, alpha=-lr * scale)
-                    p.grad = None  # AdamW's step skips it
-        return super().step(closure)
-
-    def nesterov(self, p):
-        state = self.state[p]
-        if not state:  # a "step" as AdamW's, whose load_state_dict reads every parameter's
-            state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
-        state["step"] += 1
-        return p.grad.lerp(state["momentum_buffer"].lerp_(p.grad, 0.05), 0.95)  # Nesterov momentum, 0.95
-
-
-def orthogonalised(updates, dtype, steps=5):
-    """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest semi-orthogonal ones, returned in
-    `dtype`. Under fsdp2 the row shards are traded (Shard(1) of the stack to Shard(0), an all-to-all), so each rank
-    orthogonalises 1/world of the matrices whole, once, and trades the results back into row shards."""
-    u, x = updates[0], torch.stack(updates).to(dtype)  # traded in `dtype` too: half the bytes of fp32
-    if isinstance(u, DTensor):
-        x = x.redistribute(placements=[Shard(0) if isinstance(p, Shard) else p for p in x.placements])
-    y = x.to_local() if isinstance(x, DTensor) else x
-    y = (y.mT if x.size(1) > x.size(2) else y) / (y.norm(dim=(1, 2), keepdim=True) + 1e-7)  # Gram of the short side
-    for _ in range(steps):  # y = a y + (b G + c G^2) y with G = y y^T, the scalings fused into the products
-        gram = y @ y.mT
-        y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=-4.7750, alpha=2.0315), y, beta=3.4445)
-    y = y.mT if x.size(1) > x.size(2) else y
-    if not isinstance(u, DTensor):
-        return y
-    y = DTensor.from_local(y, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
-    y = y.redistribute(placements=[Shard(1) if isinstance(p, Shard) else p for p in x.placements]).to_local()
-    return [DTensor.from_local(o, u.device_mesh, u.placements, shape=u.shape, stride=u.stride()) for o in y]
 
 
 # =============================================================================================
@@ -2006,7 +1955,7 @@ class RunLog:
     alone would leave the others waiting in a collective. Stopper stops every rank on it."""
 
     def __init__(self, run_dir, rank):
-        self.rank, self.trackers, self.sent_step, self.sent_keys = rank, [], None, set()
+        self.rank, self.trackers = rank, None
         self.error, self.jsonl, self.text = None, None, None
         if rank == 0:
             try:
@@ -2037,35 +1986,17 @@ class RunLog:
                 self.failed("stdout", e)
 
     def start_trackers(self, cfg, start_step):
-        """Rank 0 opens the trackers asked for, once the step to continue from is known."""
-        if self.rank != 0:
-            return
-        for wanted, kind in ((cfg.train.tensorboard, TensorBoardRun), (cfg.train.wandb, WandbRun)):
-            try:
-                if wanted:
-                    self.trackers.append(kind(cfg, start_step))
-            except Exception as e:
-                self.line(f"{kind.name} could not start ({type(e).__name__}: {e}); training goes on without it")
+        """Rank 0 opens the trackers asked for (trackers.py), once the step to go on from is known."""
+        if self.rank == 0 and (cfg.train.tensorboard or cfg.train.wandb):
+            records = metric_records(os.path.join(cfg.train.out_dir, "metrics.jsonl"))
+            self.trackers = importlib.import_module("trackers").Trackers(
+                dataclasses.asdict(cfg), start_step, self.line, [r for _, r in records])
 
     def metrics(self, record):
         if self.rank == 0:
             self.write(self.jsonl, json.dumps(record) + "\n")
-            step = record["step"]  # each key once a step: a validation at a log step repeats its tokens_seen
-            if step != self.sent_step:
-                self.sent_step, self.sent_keys = step, set()
-            scalars = {k: v for k, v in record.items()
-                       if k != "step" and k not in self.sent_keys and isinstance(v, (int, float))}
-            self.sent_keys |= set(scalars)
-            for tracker in list(self.trackers):
-                self.tracker_call(tracker, f"failed at step {step}", tracker.log, step, scalars)
-
-    def tracker_call(self, tracker, what, fn, *args):
-        """A tracker that fails (network, disk) is said once and dropped; the run goes on."""
-        try:
-            fn(*args)
-        except Exception as e:
-            self.trackers.remove(tracker)
-            self.line(f"{tracker.name} {what} ({type(e).__name__}: {e}); training goes on without it")
+            if self.trackers:
+                self.trackers.log(record)
 
     def step(self, rec, keys):
         """A training record (Meter.record) and its line; `keys`: the losses, in the order shown."""
@@ -2082,78 +2013,14 @@ class RunLog:
                   f" | {seconds[0]:.2f} s")
 
     def close_trackers(self):
-        for tracker in list(self.trackers):
-            self.tracker_call(tracker, "failed to close", tracker.close)
-        self.trackers = []
+        if self.trackers:
+            self.trackers.close()
 
     def close(self):
         for fh in (self.jsonl, self.text):
             if fh:
                 with contextlib.suppress(OSError):  # a failed write is in self.error already
                     fh.close()
-
-
-# Trackers (RunLog.start_trackers): each has a name, log(step, scalars) and close(); a resume continues the same run.
-
-
-class TensorBoardRun:
-    """Event files in RUN_DIR/tensorboard; tags are the keys of metrics.jsonl."""
-    name = "TensorBoard"
-
-    def __init__(self, cfg, start_step):
-        from torch.utils.tensorboard import SummaryWriter
-        # purge_step: TensorBoard hides earlier event files' values from this step on, as metrics.jsonl drops them.
-        self.writer = SummaryWriter(os.path.join(cfg.train.out_dir, "tensorboard"), purge_step=start_step + 1)
-        config = json.dumps(dataclasses.asdict(cfg), indent=1)
-        self.writer.add_text("config", "    " + config.replace("\n", "\n    "), start_step)  # Markdown code
-
-    def log(self, step, scalars):
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
-
-    def close(self):
-        self.writer.close()
-
-
-class WandbRun:
-    """A W&B run in RUN_DIR/wandb. W&B takes no step twice and writes in blocks: wandb_run.json holds
-    the run's id and the last step it surely holds (written at close); a resume sends what it lacks
-    from metrics.jsonl first. Offline: `wandb sync RUN_DIR/wandb/offline-run-*` uploads it."""
-    name = "W&B"
-    STATE = "wandb_run.json"
-
-    def __init__(self, cfg, start_step):
-        import wandb
-        run_dir = cfg.train.out_dir
-        self.state, saved = os.path.join(run_dir, self.STATE), {}
-        if start_step and os.path.exists(self.state):
-            with open(self.state) as fh:
-                saved = json.load(fh)
-        # console off: the trainer's own output stays as it is (training_log.txt has it all).
-        self.run = wandb.init(project=cfg.train.wandb, id=saved.get("id"), resume="allow", dir=run_dir,
-                              name=os.path.basename(os.path.abspath(run_dir)), config=dataclasses.asdict(cfg),
-                              allow_val_change=True, settings=wandb.Settings(console="off"))
-        self.last = self.held = saved.get("step", 0)
-        self.save()
-        by_step = {}  # the numbers of metrics.jsonl's records of the steps W&B lacks, one dict per step
-        for _, record in metric_records(os.path.join(run_dir, "metrics.jsonl")):
-            if self.held < record.get("step", 0) <= start_step:
-                by_step.setdefault(record["step"], {}).update(
-                    {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))})
-        for step in sorted(by_step):
-            self.log(step, by_step[step])
-
-    def log(self, step, scalars):
-        if step > self.held:
-            self.run.log(scalars, step=step)
-            self.last = step
-
-    def save(self):
-        write_text_atomic(self.state, json.dumps({"id": self.run.id, "step": self.last}))
-
-    def close(self):
-        self.run.finish()
-        self.save()
 
 
 class Meter:
@@ -2559,13 +2426,20 @@ def check_config(cfg):
                        f"(--warmup-steps {t.warmup_steps}); give a larger step, or 0 for --max-steps")
     seam_hooks(cfg, "check")
     check_strategy(cfg)
-    for flag, wanted, module, package in (("--tensorboard", t.tensorboard, "torch.utils.tensorboard", "tensorboard"),
-                                          ("--wandb", t.wandb, "wandb", "wandb")):
-        try:  # optional packages, imported only when asked for (rank 0 uses them; every rank checks)
-            if wanted:
+    # This project's files and optional packages, imported only when asked for; every rank checks.
+    for flag, wanted, modules in (
+            ("--tensorboard", t.tensorboard, ["trackers", "torch.utils.tensorboard"]),
+            ("--wandb", t.wandb, ["trackers", "wandb"]),
+            ("--optimizer muon", t.optimizer == "muon", ["muon"])):
+        for module in modules if wanted else []:
+            try:
                 importlib.import_module(module)
-        except ImportError:
-            raise BadInput(f"{flag} needs the {package} package, which is not installed: pip install {package}")
+            except ImportError:
+                what = f"{module}.py beside train_fsdp.py (copy it from this project)"
+                package = module.split(".")[-1]
+                if module not in ("trackers", "muon"):
+                    what = f"the {package} package, which is not installed: pip install {package}"
+                raise BadInput(f"{flag} needs {what}") from None
 
 
 def check_ranges(cfg):

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import muon  # noqa: E402
 import train_fsdp  # noqa: E402
 
 # The collectives FSDP1 and FSDP2 reduce gradients and gather parameters with
@@ -63,14 +64,14 @@ class CommRecorder:
                 return _original(*args, **kwargs)
             setattr(dist, op, functools.wraps(original)(counting))
 
-        wrap_model, train_step, orthogonalised = train_fsdp.wrap_model, train_fsdp.train_step, train_fsdp.orthogonalised
+        wrap_model, train_step, orthogonalised = train_fsdp.wrap_model, train_fsdp.train_step, muon.orthogonalised
 
         def counting_orthogonalised(*args, **kwargs):
             with FlopCounterMode(display=False) as flops:
                 out = orthogonalised(*args, **kwargs)
             self.current["newton_schulz_flops"] += flops.get_total_flops()
             return out
-        train_fsdp.orthogonalised = counting_orthogonalised
+        muon.orthogonalised = counting_orthogonalised
 
         def recording_wrap_model(*args, **kwargs):
             model = wrap_model(*args, **kwargs)

@@ -337,6 +337,18 @@ def test_meta_init_keeps_the_tie_and_refuses_an_uninitialised_module(repo):
     assert not (repo / "bad").exists()
 
 
+@pytest.mark.parametrize("flags, file", [(["--optimizer", "muon"], "muon.py"), (["--wandb", "p"], "trackers.py"),
+                                         (["--tensorboard"], "trackers.py")])
+def test_a_flag_whose_file_was_not_copied_is_one_line(repo, flags, file):
+    """The trainer copied alone: --optimizer muon, --wandb and --tensorboard need this project's
+    muon.py or trackers.py beside it, said in one line before anything is written."""
+    res = launch(repo, ["--strategy", "none", "--out-dir", "alone", *flags])
+    assert res.returncode == train_fsdp.EXIT_BAD_INPUT, res.stderr[-2000:]
+    assert res.stderr.strip() == (f"error: {' '.join(flags[:2 if flags[0] == '--optimizer' else 1])} needs {file} "
+                                  "beside train_fsdp.py (copy it from this project)")
+    assert not (repo / "alone").exists()
+
+
 def test_a_nan_just_before_a_save_is_never_saved(repo):
     """The loss turns NaN at step 4, between two log steps (every 10) and right before a save
     (every 2): the run stops with exit 1 and step 2 stays the latest checkpoint."""
@@ -483,4 +495,4 @@ def test_autocast_makes_a_loss_inside_the_model_fp32_under_fsdp():
 def test_the_trainer_imports_nothing_of_this_project():
     source = open(os.path.join(ROOT, "train_fsdp.py")).read()
     top = [line for line in source.splitlines() if re.match(r"(import|from) ", line)]
-    assert not [line for line in top if re.search(r"\b(model|data|sample|bench)\b", line)], top
+    assert not [line for line in top if re.search(r"\b(model|data|sample|bench|muon|trackers)\b", line)], top
