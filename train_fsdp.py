@@ -1,9 +1,9 @@
 """Train a decoder-only Transformer or a Free Transformer with FSDP, DDP or on one device.
 
 One file, raw torch.distributed, read top to bottom: the config, the seams (model, loss, data),
-the distributed setup, wrapping (FSDP1, FSDP2, DDP), precision and gradient sync, the optimizer,
-the step and evaluation, then main(), which runs them in that order. After main() comes the
-reference: checkpoint files, the run directory, logging, and the command line.
+the distributed setup, the strategies (FSDP1, FSDP2, DDP, one device: each in one section, with
+all it decides), the optimizer, the step and evaluation, then main(), which runs them in that
+order. After main() comes the reference: checkpoints, the run directory, logging, the command line.
 
     python train_fsdp.py                                  # one process (CPU or one GPU)
     torchrun --nproc_per_node=4 train_fsdp.py             # one node, 4 GPUs
@@ -11,8 +11,8 @@ reference: checkpoint files, the run directory, logging, and the command line.
 
 To train your own model, copy this file alone into your repo and call run() with your seams:
 
-    train_fsdp.run(build_model=..., compute_loss=..., load_dataset=...,   # see "Seams" below
-                   model_config=MyModelConfig, data_config=MyDataConfig)  # your settings' dataclasses
+    train_fsdp.run(build_model=..., compute_loss=..., load_dataset=...,  # see "Seams" below
+                   model_config=MyModelConfig, data_config=MyDataConfig)  # your dataclasses
 
 Each field of those dataclasses becomes a flag of your script. docs/own-model.md has the details.
 """
@@ -84,33 +84,33 @@ from tqdm import tqdm
 
 
 def opt(default, help, choices=None, valid=""):
-    """A config field: its help text, valid values or range (">= 1", "in [0, 1)") become the flag's."""
+    """A config field: its help, valid values or range (">= 1", "in [0, 1)") become the flag's."""
     return field(default=default, metadata={"help": help, "choices": choices, "valid": valid})
 
 
 @dataclass
 class FSDPConfig:
-    sharding_strategy: str = opt("FULL_SHARD", "how parameters, gradients and optimizer state are split",
-                                 ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
-    hybrid_shard_size: int = opt(0, "processes per shard group for HYBRID_SHARD*; 0 = processes per node",
-                                 valid=">= 0")
-    backward_prefetch: str = opt("BACKWARD_PRE", "when to all-gather the next unit's parameters in backward",
+    sharding_strategy: str = opt("FULL_SHARD", "how parameters, gradients, optimizer state split",
+                                 ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                  "_HYBRID_SHARD_ZERO2"])
+    hybrid_shard_size: int = opt(0, "processes per HYBRID_SHARD* group; 0 = per node", valid=">= 0")
+    backward_prefetch: str = opt("BACKWARD_PRE", "when backward all-gathers the next unit",
                                  ["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
-    forward_prefetch: bool = opt(False, "issue the next unit's all-gather before the current forward")
-    limit_all_gathers: bool = opt(True, "rate-limit all-gathers so the CPU cannot run ahead and blow memory")
-    use_orig_params: bool = opt(True, "keep original parameters visible (per-parameter weight decay, compile)")
+    forward_prefetch: bool = opt(False, "issue the next unit's all-gather before this forward")
+    limit_all_gathers: bool = opt(True, "rate-limit all-gathers: the CPU cannot run ahead")
+    use_orig_params: bool = opt(True, "keep original parameters (per-parameter decay, compile)")
     cpu_offload: bool = opt(False, "keep sharded parameters and gradients on CPU")
     sync_module_states: bool = opt(False, "broadcast rank 0's weights to all ranks at wrap time")
-    meta_init: bool = opt(False, "build the model on the meta device, materialise it unit by unit")
-    auto_wrap: str = opt("auto", "FSDP unit rule: auto (module from 100M parameters, else one unit), module, "
-                         "lambda, size", ["auto", "module", "lambda", "size"])
+    meta_init: bool = opt(False, "build the model on the meta device, materialise it by unit")
+    auto_wrap: str = opt("auto", "FSDP units: auto (blocks from 100M parameters, else one), "
+                         "module, lambda, size", ["auto", "module", "lambda", "size"])
     min_num_params: int = opt(1_000_000, "parameters per unit for --auto-wrap size", valid=">= 1")
-    activation_checkpointing: bool = opt(False, "recompute blocks in backward (non-reentrant checkpoint)")
+    activation_checkpointing: bool = opt(False, "recompute blocks in backward (non-reentrant)")
     ac_every: int = opt(1, "checkpoint every k-th block (1 = all)", valid=">= 1")
-    param_dtype: str = opt("bf16", "dtype of parameters in forward/backward", ["bf16", "fp16", "fp32"])
+    param_dtype: str = opt("bf16", "dtype parameters compute in", ["bf16", "fp16", "fp32"])
     reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
     buffer_dtype: str = opt("fp32", "dtype of buffers", ["bf16", "fp16", "fp32"])
-    autocast: bool = opt(False, "fsdp, fsdp2: also run forward and loss under torch.autocast(param_dtype)")
+    autocast: bool = opt(False, "fsdp, fsdp2: also run forward, loss under autocast(param_dtype)")
 
 
 @dataclass
@@ -120,71 +120,69 @@ class TrainConfig:
     strategy: str = opt("fsdp", "fsdp (FSDP1), fsdp2 (fully_shard), ddp or none (one process)",
                         ["fsdp", "fsdp2", "ddp", "none"])
     seed: int = opt(1337, "seed for init, data order and sampling")
-    global_batch: int = opt(64, "sequences per optimizer step, over all ranks and micro-batches", valid=">= 1")
-    micro_batch: int = opt(0, "sequences per rank per forward; 0 = global_batch / world_size", valid=">= 0")
-    grad_accum_mode: str = opt("auto", "auto (sync under fsdp, else no_sync), no_sync (reduce once a step) or sync "
+    global_batch: int = opt(64, "sequences per optimizer step, over all ranks", valid=">= 1")
+    micro_batch: int = opt(0, "rows per rank per forward; 0 = global_batch / world", valid=">= 0")
+    grad_accum_mode: str = opt("auto", "auto (fsdp: sync, since its no_sync accumulates in "
+                               "param_dtype; else no_sync), no_sync (reduce once a step) or sync "
                                "(every micro-batch)", ["auto", "no_sync", "sync"])
     max_steps: int = opt(0, "optimizer steps; 0 = derived from --epochs", valid=">= 0")
     epochs: float = opt(1.0, "passes over the training set when --max-steps is 0", valid="> 0")
     lr: float = opt(1e-3, "peak learning rate", valid="> 0")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak", valid="in [0, 1]")
+    min_lr_ratio: float = opt(0.1, "final learning rate over the peak", valid="in [0, 1]")
     warmup_steps: int = opt(50, "linear warmup steps", valid=">= 0")
-    lr_schedule: str = opt("cosine", "after warmup: cosine decay, or wsd (constant, then a linear decay)",
-                           ["cosine", "wsd"])
-    lr_decay_steps: int = opt(0, "cosine: the step the decay ends; wsd: the decay's length; 0 = from --max-steps",
-                              valid=">= 0")
-    lr_scale_base_batch: int = opt(0, "if > 0, scale lr linearly by global_batch / this", valid=">= 0")
-    weight_decay: float = opt(0.1, "AdamW weight decay, on >= 2-D weights unless the model says otherwise",
-                              valid=">= 0")
+    lr_schedule: str = opt("cosine", "cosine, or wsd (flat, then linear)", ["cosine", "wsd"])
+    lr_decay_steps: int = opt(0, "cosine: the step the decay ends; wsd: the decay's length; "
+                              "0 = from --max-steps", valid=">= 0")
+    lr_scale_base_batch: int = opt(0, "if > 0, scale lr by global_batch / this", valid=">= 0")
+    weight_decay: float = opt(0.1, "AdamW weight decay, on >= 2-D weights by default", valid=">= 0")
     beta1: float = opt(0.9, "AdamW beta1", valid="in [0, 1)")
     beta2: float = opt(0.95, "AdamW beta2", valid="in [0, 1)")
-    optimizer: str = opt("adamw", "adamw, or muon: Muon on the hidden matrices, AdamW on the rest (fsdp2, ddp, none)",
-                         ["adamw", "muon"])
-    muon_lr: float = opt(0.0, "Muon's peak rate; 0 = --lr (its update is scaled to AdamW's RMS)", valid=">= 0")
+    optimizer: str = opt("adamw", "adamw, or muon: Muon on the hidden matrices, AdamW on the "
+                         "rest (fsdp2, ddp, none)", ["adamw", "muon"])
+    muon_lr: float = opt(0.0, "Muon's peak rate; 0 = --lr (updates at AdamW's RMS)", valid=">= 0")
     grad_clip: float = opt(1.0, "max global gradient norm; 0 = no clipping", valid=">= 0")
-    eval_every: int = opt(100, "validate every N steps (and at the end); 0 = only at the end", valid=">= 0")
+    eval_every: int = opt(100, "validate every N steps and at the end; 0: at the end", valid=">= 0")
     eval_samples: int = opt(512, "validation sequences per evaluation", valid=">= 1")
     log_every: int = opt(10, "log metrics every N steps", valid=">= 1")
-    skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf instead of stopping")
+    skip_nonfinite: bool = opt(False, "skip an optimizer step whose gradient norm is NaN/inf")
     out_dir: str = opt("", "run directory; empty = runs/<model class>-<date-time>")
-    overwrite: bool = opt(False, "start afresh in a run directory that holds a run (its checkpoints are deleted)")
+    overwrite: bool = opt(False, "start afresh in a run directory, deleting its checkpoints")
     compile: bool = opt(False, "torch.compile the model (see --compile-scope) and the loss")
-    compile_scope: str = opt("model", "what --compile compiles: model (the whole model) or blocks (each in place)",
-                             ["model", "blocks"])
-    compile_mode: str = opt("auto", "torch.compile mode: auto (reduce-overhead under 100M parameters, else default)",
+    compile_scope: str = opt("model", "--compile's scope: model, or blocks", ["model", "blocks"])
+    compile_mode: str = opt("auto", "auto (reduce-overhead under 100M parameters, else default)",
                             ["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"])
-    compile_cache: str = opt("", "where --compile keeps graphs and kernels for later launches; empty = "
-                             "$TORCHINDUCTOR_CACHE_DIR if set, else .compile_cache beside the run directory")
+    compile_cache: str = opt("", "where --compile keeps graphs and kernels; empty = "
+                             "$TORCHINDUCTOR_CACHE_DIR, else .compile_cache beside the run dir")
     profile: bool = opt(False, "write a Chrome trace of steps 2-4 per rank into the run directory")
-    debug: bool = opt(False, "distributed debug logging and the flight recorder (RUN_DIR/flight_recorder)")
-    tensorboard: bool = opt(False, "also write metrics to RUN_DIR/tensorboard (pip install tensorboard)")
-    wandb: str = opt("", "also log metrics to this W&B project (pip install wandb; WANDB_MODE=offline works)")
+    debug: bool = opt(False, "distributed debug logging and the flight recorder")
+    tensorboard: bool = opt(False, "also write metrics to RUN_DIR/tensorboard")
+    wandb: str = opt("", "also log metrics to this W&B project (WANDB_MODE=offline works)")
 
 
 @dataclass
 class CheckpointConfig:
-    checkpoint_type: str = opt("sharded", "sharded (torch.distributed.checkpoint, reshardable) or full (one file)",
-                               ["sharded", "full"])
-    save_every: int = opt(0, "save every N steps; 0 = only at the end (and on SIGTERM/SIGUSR1)", valid=">= 0")
+    checkpoint_type: str = opt("sharded", "sharded (DCP) or full (one file)", ["sharded", "full"])
+    save_every: int = opt(0, "save every N steps; 0 = at the end (and on a signal)", valid=">= 0")
     save_final: bool = opt(True, "save a checkpoint at the end")
     keep_checkpoints: int = opt(3, "keep the newest K complete checkpoints", valid=">= 1")
-    keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss (checkpoints/best)")
-    async_save: bool = opt(False, "write the --save-every checkpoints in the background (DCP async_save)")
-    full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer state (needed to resume)")
-    resume: str = opt("auto", "auto (the run directory's latest checkpoint), never, or a checkpoint directory")
-    init_from: str = opt("", "start a new run from the weights of this checkpoint (run dir, step dir or model.pt)")
+    keep_best: bool = opt(False, "also keep the checkpoint of lowest validation loss")
+    async_save: bool = opt(False, "write the --save-every checkpoints in the background")
+    full_optimizer: bool = opt(True, "full checkpoints also hold the optimizer (to resume)")
+    resume: str = opt("auto", "auto (the run directory's latest checkpoint), never, or a path")
+    init_from: str = opt("", "start a new run from these weights (run dir, step dir, model.pt)")
 
 
 def project_module(name):
-    """This project's model.py or data.py, imported only where its seams are used (a foreign repo's
-    model.py, without this project's ModelConfig, is not it)."""
+    """This project's model.py or data.py, imported only where its seams are used (a foreign
+    repo's model.py, without this project's ModelConfig, is not it)."""
     try:
         module = importlib.import_module(name)
         getattr(module, {"model": "ModelConfig", "data": "DataConfig"}[name])
         return module
     except (ImportError, AttributeError) as e:
-        raise BadInput(f"this project's {name}.py cannot be imported here ({e}): in your own repo, run your script "
-                       "that calls train_fsdp.run(...) with your seams (its --help lists its flags)") from None
+        raise BadInput(f"this project's {name}.py cannot be imported here ({e}): in your own repo, "
+                       "run your script that calls train_fsdp.run(...) with your seams (its --help "
+                       "lists its flags)") from None
 
 
 @dataclass
@@ -194,7 +192,7 @@ class NoSettings:
 
 @dataclass
 class Config:
-    model: typing.Any = field(default_factory=lambda: project_module("model").ModelConfig())  # the seams' settings
+    model: typing.Any = field(default_factory=lambda: project_module("model").ModelConfig())
     data: typing.Any = field(default_factory=lambda: project_module("data").DataConfig())
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -202,39 +200,35 @@ class Config:
 
 
 # Bundles named as in common FSDP guides. Each sets fields of the sections above.
+FSDP_PREFETCH = {"backward_prefetch": "BACKWARD_PRE", "limit_all_gathers": True}
 PRESETS = {
     "single_node_fsdp": {"train": {"strategy": "fsdp"},
-                         "fsdp": {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE",
-                                  "limit_all_gathers": True, "activation_checkpointing": False}},
+                         "fsdp": {"sharding_strategy": "FULL_SHARD", **FSDP_PREFETCH,
+                                  "activation_checkpointing": False}},
     "multi_node_fsdp": {"train": {"strategy": "fsdp"},
-                        "fsdp": {"sharding_strategy": "HYBRID_SHARD", "backward_prefetch": "BACKWARD_PRE",
-                                 "forward_prefetch": True, "limit_all_gathers": True}},
+                        "fsdp": {"sharding_strategy": "HYBRID_SHARD", **FSDP_PREFETCH,
+                                 "forward_prefetch": True}},
     "large_scale_fsdp": {"train": {"strategy": "fsdp"},
-                         "fsdp": {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE",
-                                  "limit_all_gathers": True, "activation_checkpointing": True, "meta_init": True}},
+                         "fsdp": {"sharding_strategy": "FULL_SHARD", **FSDP_PREFETCH,
+                                  "activation_checkpointing": True, "meta_init": True}},
     "ddp": {"train": {"strategy": "ddp"}},
 }
 
-# What only FSDP reads (param_dtype and activation checkpointing serve DDP and one device too).
-FSDP_ONLY = {"sharding_strategy", "hybrid_shard_size", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
-             "use_orig_params", "cpu_offload", "sync_module_states", "auto_wrap", "min_num_params", "reduce_dtype",
-             "buffer_dtype", "autocast"}
-# FSDP1 settings FSDP2 has no form for: said, not refused, when changed from the default.
-FSDP2_IGNORED = {"backward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "buffer_dtype"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Dense bf16 peak per GPU (datasheet, no sparsity), for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 3  # 3: stopped by a signal, checkpoint saved
-# Below this many parameters a step is more host time than kernels (one_unit, compile_mode, docs/performance.md).
+# Below this many parameters a step is more host time than kernels (one_unit, compile_mode).
 ONE_UNIT_BELOW = 100_000_000
-USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before a run of this process sets it
+USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before this process sets it
 # A collective that waits longer fails. rank0_does keeps the others waiting for longer work.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
 # state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
-for pattern in ("Please use DTensor instead", "_get_pg_default_device", "Multiple backends are registered",
-                "FSDP is switching to use `NO_SHARD`", "When using ``NO_SHARD``", "torch.distributed.checkpoint"):
+for pattern in ("Please use DTensor instead", "_get_pg_default_device",
+                "Multiple backends are registered", "FSDP is switching to use `NO_SHARD`",
+                "When using ``NO_SHARD``", "torch.distributed.checkpoint"):
     warnings.filterwarnings("ignore", message=f".*{pattern}")
 
 
@@ -254,12 +248,6 @@ class Preempted(Exception):
     """SIGTERM/SIGUSR1 arrived: the checkpoint is saved, exit with EXIT_PREEMPTED."""
 
 
-# =============================================================================================
-# Seams: model, loss, data and their settings. These defaults train this project's model.py on
-# its data.py; in your repo, pass your own to run() (docs/own-model.md, tests/test_seams.py).
-# Your settings are dataclasses (run(model_config=..., data_config=...)): cfg.model and cfg.data.
-
-
 def build_model(cfg):
     """Returns (model, wrap_classes, checkpoint_classes): the module, the block classes FSDP
     makes into units, and the block classes activation checkpointing recomputes."""
@@ -273,7 +261,8 @@ def compute_loss(model, x, y, cfg):
     the figure runs are compared by: the CE, or the Free Transformer's bound CE + KL."""
     model_lib = project_module("model")
     logits, latent = model(x)
-    loss, parts = (compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss)(logits, y, latent, cfg.model.kappa)
+    lm_loss = compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss
+    loss, parts = lm_loss(logits, y, latent, cfg.model.kappa)
     if latent is not None and not model.training:
         loss, comparable = model_lib.comparable_losses(model, x, y, parts)
         parts.update(comparable)
@@ -295,7 +284,7 @@ class BatchSource(typing.Protocol):
     vocab_size: int  # token ids are below it (a model config's resolve(data) may read it)
     n_val: int  # validation rows
     tokenizer_path: str  # saved with every checkpoint, for sampling; "" when there is none
-    # Optional: digests, {source: digest} of what the rows are made from; a resume refuses changed ones.
+    # Optional: digests, {source: digest} of what the rows are made of; a resume refuses changes.
 
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
         """(x, y): rows [start, start + count) of training step `step`'s global batch."""
@@ -333,7 +322,7 @@ class Topology:
     device: torch.device
     backend: str  # nccl or gloo
     owner: bool = True  # this process created the process group (a test driver may have)
-    control: object = None  # the group for small control messages (stop flags, errors): gloo, on the CPU
+    control: object = None  # the group of control messages (stop flags, errors): gloo, on the CPU
     mesh: object = None  # the device mesh, where the strategy uses one (device_mesh)
 
 
@@ -343,11 +332,13 @@ def launch_env():
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
-        return int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
-    # SLURM_STEP_NUM_TASKS is srun's; SLURM_NTASKS alone would also match a plain python in an allocation.
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world
+    # SLURM_STEP_NUM_TASKS is srun's; SLURM_NTASKS would also match a plain python in an allocation.
     if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         if "MASTER_ADDR" not in env:
-            raise BadInput("srun without torchrun: set MASTER_ADDR (first host of the allocation) and MASTER_PORT")
+            raise BadInput("srun without torchrun: set MASTER_ADDR (first host of the allocation) "
+                           "and MASTER_PORT")
         env.setdefault("MASTER_PORT", "29500")
         world = int(env["SLURM_STEP_NUM_TASKS"])
         nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
@@ -362,41 +353,38 @@ def setup_distributed(cfg):
         debug_env(cfg.train.out_dir or "runs")
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible "
-                           "on this node; launch at most that many processes per node")
+            raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs "
+                           "visible on this node; launch at most that many processes per node")
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    owner = not dist.is_initialized()  # a caller (e.g. a test driver) may have set up the group already
-    if owner:  # FSDP and DDP need a group even for one process: then an in-memory store, which needs no port
-        dist.init_process_group(group_backends(cfg, backend), store=dist.HashStore() if world == 1 else None,
-                                rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT,
+    owner = not dist.is_initialized()  # a caller (a test driver) may have set up the group already
+    if owner:  # FSDP and DDP need a group even for one process: then a HashStore (needs no port)
+        dist.init_process_group(group_backends(cfg, backend), rank=rank, world_size=world,
+                                store=dist.HashStore() if world == 1 else None,
+                                timeout=COLLECTIVE_TIMEOUT,
                                 device_id=device if backend == "nccl" and world > 1 else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
-    # Control messages (stop flags, errors) go through gloo on the CPU: reading them never waits for the GPU.
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else dist.group.WORLD
-    return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world, device=device,
-                    backend=backend, owner=owner, control=control)
+    # Control messages (stop flags, errors) go through gloo on the CPU: never waiting for the GPU.
+    control = dist.group.WORLD
+    if backend == "nccl":
+        control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world,
+                    device=device, backend=backend, owner=owner, control=control)
 
 
 def group_backends(cfg, backend):
-    """FSDP2 with --cpu-offload keeps the gradients on the host, and clipping all-reduces their
-    norm there: on GPUs the group then needs gloo for CPU tensors too (as torchtitan does)."""
-    host_grads = cfg.train.strategy == "fsdp2" and cfg.fsdp.cpu_offload
+    """On GPUs, gloo too for a strategy that all-reduces CPU tensors (Strategy.host_grads)."""
+    host_grads = strategy_of(cfg).host_grads and cfg.fsdp.cpu_offload
     return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_grads else backend
 
 
-def hybrid_shard_size(cfg, topo):
-    """Processes per shard group for HYBRID_SHARD*: the flag, or the processes of one node."""
-    return cfg.fsdp.hybrid_shard_size or topo.local_world
-
-
 def rank0_does(fn, rank, failure=BadInput, what="its file work"):
-    """Run fn on rank 0 only (file-system work: a token cache, a checkpoint's files); every rank returns its result
-    or raises failure(its error), so that no rank is left waiting alone. However long fn takes, no collective times
-    out: rank 0 runs it in a thread and says every tenth of COLLECTIVE_TIMEOUT that it is still at work."""
+    """Run fn on rank 0 only (file work: a token cache, a checkpoint); every rank returns its result
+    or raises failure(its error): no rank is left waiting alone. No collective times out however
+    long fn takes: rank 0 runs it in a thread and says every COLLECTIVE_TIMEOUT / 10 it is at it."""
     box = [None, None]  # error, result
     if rank == 0:
         work = threading.Thread(target=run_into, args=(fn, box), daemon=True)
@@ -409,7 +397,7 @@ def rank0_does(fn, rank, failure=BadInput, what="its file work"):
         if not message[0]:
             break
         node_first = rank - launch_env()[2]
-        if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of each node says it once
+        if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of a node says it
             print(f"rank {rank}: waiting for rank 0 ({what}), with no time limit", flush=True)
     if message[1]:
         raise failure(message[1])
@@ -419,7 +407,7 @@ def rank0_does(fn, rank, failure=BadInput, what="its file work"):
 def run_into(fn, box):
     try:
         box[1] = fn()
-    except Exception as e:  # anything (a full disk, a file that is not a checkpoint) must stop every rank
+    except Exception as e:  # anything (a full disk, not a checkpoint) must stop every rank
         box[0] = error_line(e)
 
 
@@ -431,7 +419,7 @@ def any_rank_error(error, topo):
 
 
 def error_line(e):
-    """One line for an exception: ours and a seam's ValueError as they are, an OSError by its file."""
+    """One line for an exception: ours and a seam's ValueError as is, an OSError by its file."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}"
     if isinstance(e, (BadInput, RunFailed, ValueError)):
@@ -440,62 +428,89 @@ def error_line(e):
 
 
 # =============================================================================================
-# Wrapping: the model on its device as FSDP1 or FSDP2 units, DDP or plain. Each choice below branches on the
-# strategy; its checks and the defaults it resolves are check_strategy and resolve_strategy, at the end.
+# Wrapping, precision and gradient sync: the model as its strategy trains it. A Strategy names
+# all that a --strategy decides; the three sections after this one fill it, so that what FSDP1,
+# FSDP2, DDP or one device does is read in one place. Other code asks strategy_of(cfg).
+
+
+@dataclass(frozen=True)
+class Strategy:
+    wrap: typing.Callable  # (model, units, blocks, cfg, topo, init_fn) -> the model to train
+    no_sync: typing.Callable  # (model) -> a context whose backward does not reduce gradients
+    clip: typing.Callable  # (model, limit) -> the global gradient norm, clipped to limit
+    scaler: type  # fp16's loss scaler
+    resolve: typing.Callable  # (cfg, topo): the defaults it decides, changed ones said
+    shards: bool = False  # FSDP: units on a device mesh, cast by a mixed-precision policy
+    compiles_units: bool = False  # --compile compiles each block as a module, not in place
+    host_grads: bool = False  # --cpu-offload leaves gradients on the host: CPU collectives
+    copies_shards: bool = False  # a sharded state dict copies the shards (saved to the host)
+
+
+STRATEGIES = {}  # --strategy -> its Strategy, set at the end of each strategy's section
+
+
+def strategy_of(cfg):
+    return STRATEGIES[cfg.train.strategy]
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
-    """Activation checkpointing, torch.compile, then the wrapper. A --meta-init model is materialised here by init_fn
-    (its init_module) in init_order under any strategy: its weights depend on neither strategy nor world size."""
-    f, device, strategy = cfg.fsdp, topo.device, cfg.train.strategy
+    """The model wrapped by its strategy, with activation checkpointing and compile in its order.
+    --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
-    n_params = parameter_count(model)  # before sharding
-    regional = cfg.train.compile and compiles_blocks(cfg, n_params)
-    mode = compile_mode(cfg, n_params)
-    order = init_order(model, units)  # before compile wrappers change the module tree
-    if regional and strategy != "fsdp2":
-        for b in blocks:  # in place (the class stays, so the wrap rules find it), outside the checkpoint
-            b.forward = torch.compile(b.forward, mode=mode)
-    elif cfg.train.compile and strategy == "fsdp":  # in place too: dynamo would trace FSDP1's own forward,
-        model.forward = torch.compile(model.forward, mode=mode)  # dozens of frames, each guarded every step
-    if f.activation_checkpointing:  # non-reentrant: the reentrant one fires FSDP's post-backward hooks twice
-        for b in blocks[::f.ac_every]:  # the module tree and its names stay
-            b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
-    if strategy == "fsdp2":
-        model = fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, mode if regional else None)
-    elif strategy == "fsdp":
-        materialise = meta_init_fn(model, init_fn, device) if f.meta_init else None
-        model = FSDP(model, param_init_fn=materialise, **fsdp_kwargs(cfg, units, topo))
-    else:
-        if f.meta_init:
-            materialise = meta_init_fn(model, init_fn, device)
-            for m in order:
-                materialise(m)
-        model = model.to(device)
-        if strategy == "ddp":
-            # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
-    if cfg.train.compile and not regional and strategy != "fsdp":
-        model = torch.compile(model, mode=mode)
-    return model
+    return strategy_of(cfg).wrap(model, units, blocks, cfg, topo, init_fn)
 
 
-def device_mesh(cfg, topo):
-    """FSDP1 and FSDP2 shard over an explicit mesh (ddp, none: None): 1-D over all processes, or 2-D for HYBRID_SHARD*:
-    sharded in a group (a node), replicated across them. With a mesh FSDP1's state dicts hold DTensors like FSDP2's."""
-    if cfg.train.strategy not in ("fsdp", "fsdp2"):
+def precision_context(cfg, device):
+    """FSDP casts by its mixed-precision policy: the model computes in param_dtype. DDP and one
+    device autocast instead (weights, residual stream fp32); --autocast adds autocast to FSDP."""
+    if not autocasts(cfg):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype])
+
+
+def autocasts(cfg):
+    return cfg.fsdp.param_dtype != "fp32" and (not strategy_of(cfg).shards or cfg.fsdp.autocast)
+
+
+def gradient_sync(model, cfg, last):
+    """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
+    reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync."""
+    if last or cfg.train.grad_accum_mode == "sync":
+        return contextlib.nullcontext()
+    return strategy_of(cfg).no_sync(model)
+
+
+def clip_gradients(model, cfg):
+    """The global gradient norm, clipped when --grad-clip > 0."""
+    limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+    return strategy_of(cfg).clip(model, limit)
+
+
+def grad_scaler(cfg, device):
+    """fp16 needs loss scaling; the strategy's scaler sees an overflow in any rank's gradients."""
+    if cfg.fsdp.param_dtype != "fp16":
         return None
-    if "HYBRID" in cfg.fsdp.sharding_strategy:
-        shard = hybrid_shard_size(cfg, topo)
-        return init_device_mesh(topo.device.type, (topo.world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(topo.device.type, (topo.world,), mesh_dim_names=("shard",))
+    return strategy_of(cfg).scaler(device.type)
+
+
+def state_dict_options(purpose, device=None, meta=None):
+    """By purpose. "sharded save": a strategy that copies its shards sends them to the host as
+    made. "save": in full, on the host, on every rank (FSDP1's rank-0-only gather frees storage
+    it then reads). "init": keys the model lacks."""
+    if purpose == "sharded save":
+        cfg, gpus = meta["config"], meta["world_size"] > 1 and device.type == "cuda"
+        sharded = cfg["fsdp"]["sharding_strategy"] != "NO_SHARD"
+        copies = STRATEGIES[cfg["train"]["strategy"]].copies_shards and sharded
+        return StateDictOptions(cpu_offload=copies and gpus)
+    if purpose == "save":
+        return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
+    return StateDictOptions(full_state_dict=True, strict=purpose != "init")
 
 
 def shard_units(model, wrap_classes, cfg):
-    """FSDP units, children first, for FSDP1 and FSDP2: the block classes (--auto-wrap module, lambda) or bottom-up by
-    --min-num-params (size). A module sharing a parameter outside itself (tied embedding and head) stays in the root."""
+    """FSDP units, children first: the block classes (--auto-wrap module, lambda), or bottom-up by
+    --min-num-params (size). A module sharing a parameter outside itself stays in the root."""
     f = cfg.fsdp
     if one_unit(f, parameter_count(model)):
         return []  # the root's unit holds everything
@@ -512,7 +527,8 @@ def shard_units(model, wrap_classes, cfg):
             return
         if f.auto_wrap == "size":  # as FSDP1's size policy: never a ModuleList / ModuleDict
             free = sum(p.numel() for p in m.parameters() if p not in taken)
-            chosen = free >= f.min_num_params and not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
+            chosen = free >= f.min_num_params and not isinstance(m, lists)
         else:
             chosen = isinstance(m, tuple(wrap_classes))
         inside = set(m.modules())
@@ -527,90 +543,212 @@ def parameter_count(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def local_parameter_count(model):
+    """Parameters held by this rank (a DTensor's numel is its global size)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
 def one_unit(f, n_params):
-    """--auto-wrap auto on a small model: one unit, the root (per-block units save a block's gather, cost host time)."""
+    """--auto-wrap auto on a small model: one unit (per-block units save memory, cost host time)."""
     return f.auto_wrap == "auto" and n_params < ONE_UNIT_BELOW
 
 
+def checkpoint_blocks(blocks, f):
+    """--activation-checkpointing, every --ac-every-th block, in place (the module names stay).
+    Non-reentrant: the reentrant checkpoint fires FSDP's post-backward hooks twice."""
+    if f.activation_checkpointing:
+        for b in blocks[::f.ac_every]:
+            b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
+
+
+def compile_in_place(model, blocks, cfg, whole):
+    """--compile leaving the module tree as it is (the wrap rules find the block classes, the
+    state-dict names stay): each block's forward under compiles_blocks, else, if `whole`, the
+    model's. Before checkpoint_blocks: a checkpoint then recomputes the compiled forward."""
+    n = parameter_count(model)
+    if cfg.train.compile and compiles_blocks(cfg, n):
+        for b in blocks:
+            b.forward = torch.compile(b.forward, mode=compile_mode(cfg, n))
+    elif cfg.train.compile and whole:
+        model.forward = torch.compile(model.forward, mode=compile_mode(cfg, n))
+
+
 def compiles_blocks(cfg, n_params):
-    """--compile compiles each block under --compile-scope blocks, and under fsdp2 whenever the
-    blocks are units (a whole-model graph would break at every unit's hooks)."""
-    return cfg.train.compile_scope == "blocks" or (cfg.train.strategy == "fsdp2" and not one_unit(cfg.fsdp, n_params))
+    """--compile compiles each block under --compile-scope blocks, and whenever the blocks are
+    units under a strategy that compiles units (a whole-model graph would break at their hooks)."""
+    units = strategy_of(cfg).compiles_units and not one_unit(cfg.fsdp, n_params)
+    return cfg.train.compile_scope == "blocks" or units
 
 
 def compile_mode(cfg, n_params):
     """--compile-mode auto: CUDA graphs (reduce-overhead) for a small model, whose step is kernel
-    launches more than kernels; default for a large one, where graphs gain nothing and hold memory."""
+    launches more than kernels; default for a large one, where graphs gain nothing, hold memory."""
     if cfg.train.compile_mode != "auto":
         return cfg.train.compile_mode
-    return "reduce-overhead" if n_params < ONE_UNIT_BELOW and not recomputes_compiled_blocks(cfg) else "default"
+    small = n_params < ONE_UNIT_BELOW
+    return "reduce-overhead" if small and not recomputes_compiled_blocks(cfg) else "default"
 
 
 def recomputes_compiled_blocks(cfg):
-    """Checkpointed blocks compiled in place (--compile-scope blocks outside fsdp2) rerun their compiled forward in
-    backward: CUDA graphs cannot record it."""
-    t = cfg.train
-    return cfg.fsdp.activation_checkpointing and t.compile and t.compile_scope == "blocks" and t.strategy != "fsdp2"
+    """Checkpointed blocks compiled in place (compile_in_place under --compile-scope blocks) rerun
+    their compiled forward in backward: CUDA graphs cannot record that."""
+    t, in_place = cfg.train, not strategy_of(cfg).compiles_units
+    blocks = t.compile and t.compile_scope == "blocks"
+    return cfg.fsdp.activation_checkpointing and blocks and in_place
 
 
-def fsdp_kwargs(cfg, units, topo):
+def clip_norm(model, limit):
+    """torch's clip. Under FSDP2 the norm is a DTensor: its full value is the global norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def accumulate_with_no_sync(cfg, topo):
+    """--grad-accum-mode auto: no_sync, one reduction a step, accumulated in reduce_dtype."""
+    if cfg.train.grad_accum_mode == "auto":
+        cfg.train.grad_accum_mode = "no_sync"
+
+
+def say(topo, line):
+    if topo.rank == 0:
+        print(line)
+
+
+def device_mesh(cfg, topo):
+    """FSDP's mesh: 1-D over all processes, or 2-D for HYBRID_SHARD* (sharded in a node,
+    replicated across nodes). With it FSDP1's state dicts hold DTensors like FSDP2's."""
+    if not strategy_of(cfg).shards:
+        return None
+    if "HYBRID" in cfg.fsdp.sharding_strategy:
+        shard = hybrid_shard_size(cfg, topo)
+        return init_device_mesh(topo.device.type, (topo.world // shard, shard),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(topo.device.type, (topo.world,), mesh_dim_names=("shard",))
+
+
+def hybrid_shard_size(cfg, topo):
+    """Processes per shard group for HYBRID_SHARD*: the flag, or the processes of one node."""
+    return cfg.fsdp.hybrid_shard_size or topo.local_world
+
+
+def replicates_only(cfg, topo):
+    """HYBRID_SHARD* with one process per shard group is replication, DDP's job (FSDP1 would
+    skip the all-reduce across replicas): the run takes --strategy ddp. Returns whether it did."""
     f = cfg.fsdp
+    if "HYBRID" not in f.sharding_strategy or hybrid_shard_size(cfg, topo) > 1 or topo.world == 1:
+        return False
+    say(topo, f"{f.sharding_strategy} with 1 process per shard group is pure replication: using "
+        "DDP (--strategy ddp) across all processes")
+    cfg.train.strategy = "ddp"
+    strategy_of(cfg).resolve(cfg, topo)
+    return True
+
+
+# =============================================================================================
+# --strategy fsdp: FSDP1, FullyShardedDataParallel. A lambda auto-wrap policy makes each unit of
+# shard_units an FSDP instance; MixedPrecision casts; accumulation by sync, or no_sync.
+
+
+def wrap_fsdp1(model, units, blocks, cfg, topo, init_fn):
+    """Compile in place (dynamo would trace FSDP1's own forward: dozens of frames, each guarded
+    every step), checkpoint, then wrap. --meta-init: param_init_fn materialises unit by unit."""
+    f = cfg.fsdp
+    compile_in_place(model, blocks, cfg, whole=True)
+    checkpoint_blocks(blocks, f)
     chosen = set(units)
-    return dict(
-        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in chosen),
-        sharding_strategy=ShardingStrategy[f.sharding_strategy],
-        mixed_precision=MixedPrecision(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
-                                       buffer_dtype=DTYPES[f.buffer_dtype]),
-        backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
-        forward_prefetch=f.forward_prefetch, limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
-        cpu_offload=CPUOffload(offload_params=f.cpu_offload), sync_module_states=f.sync_module_states,
-        device_id=topo.device,  # on CPU too: without it FSDP1 asks for an accelerator
-        device_mesh=topo.mesh,
-    )
+    precision = MixedPrecision(param_dtype=DTYPES[f.param_dtype],
+                               reduce_dtype=DTYPES[f.reduce_dtype],
+                               buffer_dtype=DTYPES[f.buffer_dtype])
+    prefetch = None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch]
+    return FSDP(model, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy,
+                                                          lambda_fn=lambda m: m in chosen),
+                sharding_strategy=ShardingStrategy[f.sharding_strategy], mixed_precision=precision,
+                backward_prefetch=prefetch, forward_prefetch=f.forward_prefetch,
+                limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
+                cpu_offload=CPUOffload(offload_params=f.cpu_offload),
+                sync_module_states=f.sync_module_states,
+                param_init_fn=meta_init_fn(model, init_fn, topo.device) if f.meta_init else None,
+                device_id=topo.device,  # on CPU too: without it FSDP1 asks for an accelerator
+                device_mesh=topo.mesh)
 
 
-def fully_shard_model(model, units, blocks, order, cfg, topo, init_fn, block_mode):
-    """FSDP2 in torchtitan's order (activation checkpointing is already on the blocks): compile each
-    block in `block_mode` (None: not), then fully_shard each unit bottom-up and the root. A meta
-    model is sharded on the meta device, then allocated (to_empty) and initialised (init_weights)."""
-    f = cfg.fsdp
+def resolve_fsdp1(cfg, topo):
+    t, f = cfg.train, cfg.fsdp
+    if replicates_only(cfg, topo):
+        return
+    if t.grad_accum_mode == "auto":
+        # no_sync accumulates in param_dtype, sync in reduce_dtype: sync, unless --cpu-offload.
+        t.grad_accum_mode = "no_sync" if f.cpu_offload else "sync"
+        if f.cpu_offload and f.param_dtype != f.reduce_dtype:
+            say(topo, "--cpu-offload: accumulating with no_sync (FSDP1 offload allows no other), "
+                f"in {f.param_dtype}")
+    if t.compile and not f.use_orig_params:
+        f.use_orig_params = True
+        say(topo, "--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
+
+
+STRATEGIES["fsdp"] = Strategy(
+    wrap=wrap_fsdp1, resolve=resolve_fsdp1, no_sync=lambda model: model.no_sync(),
+    # its own clip_grad_norm_ and scaler: torch.nn.utils' and amp's would see this rank's shard
+    clip=lambda model, limit: model.clip_grad_norm_(limit), scaler=ShardedGradScaler,
+    # Its sharded state dict makes new GPU copies of the shards: sent to the host as made, or a
+    # model at the memory limit would die at its first save (state_dict_options).
+    shards=True, copies_shards=True)
+
+
+# =============================================================================================
+# --strategy fsdp2: FSDP2, fully_shard on each unit and the root, in torchtitan's order. A
+# MixedPrecisionPolicy casts; set_requires_gradient_sync is its no_sync.
+
+def wrap_fsdp2(model, units, blocks, cfg, topo, init_fn):
+    """Activation checkpointing, compile (each block as a module, or the whole model last), then
+    fully_shard each unit bottom-up and the root. A meta model is sharded on the meta device,
+    then allocated (to_empty) and initialised (init_weights)."""
+    f, n = cfg.fsdp, parameter_count(model)
+    order = init_order(model, units)  # before compiling changes the module tree
+    checkpoint_blocks(blocks, f)
     outer = {b: b for b in blocks}  # the module standing for each block in the tree
-    if block_mode:
+    if cfg.train.compile and compiles_blocks(cfg, n):
         parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
         for b in blocks:
             parent, name = parents[b]
-            outer[b] = torch.compile(b, mode=block_mode)
+            outer[b] = torch.compile(b, mode=compile_mode(cfg, n))
             parent.register_module(name, outer[b])
     kw = dict(mesh=topo.mesh)
     if f.cpu_offload:  # pinned host memory needs a GPU
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
-    # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2 casts
-    # every unit's, the fp32 rotary tables the blocks receive included.
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], reduce_dtype=DTYPES[f.reduce_dtype],
-                              cast_forward_inputs=False)
+    # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2
+    # casts every unit's, the fp32 rotary tables the blocks receive included.
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], cast_forward_inputs=False,
+                              reduce_dtype=DTYPES[f.reduce_dtype])
     reshard = fsdp2_reshards(f)
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
-        # The last block and the root run first in backward: resharding them would only gather them again at once.
+        # The last block and the root run first in backward: resharding them would only gather
+        # them again at once.
         fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=mp, **kw)
-    fully_shard(model, reshard_after_forward=False, mp_policy=dataclasses.replace(mp, cast_forward_inputs=True), **kw)
+    root_mp = dataclasses.replace(mp, cast_forward_inputs=True)
+    fully_shard(model, reshard_after_forward=False, mp_policy=root_mp, **kw)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu" if f.cpu_offload else topo.device)
         init_weights(model, order, init_fn)
     if f.forward_prefetch:
         forward_prefetch_in_run_order(model, sharded)
+    if cfg.train.compile and not compiles_blocks(cfg, n):
+        model = torch.compile(model, mode=compile_mode(cfg, n))
     return model
 
 
 def fsdp2_reshards(f):
-    """FSDP2's reshard_after_forward: FULL_SHARD and HYBRID_SHARD (ZeRO-2 keeps the gathered parameters)."""
+    """reshard_after_forward: FULL_SHARD and HYBRID_SHARD (ZeRO-2 keeps the gathered ones)."""
     return f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
 
 def forward_prefetch_in_run_order(root, units):
-    """--forward-prefetch under FSDP2: each unit issues the next one's all-gather in forward, in the order of the first
-    forward (recorded by hooks that then go): the Free Transformer runs its latent sampler between two blocks."""
+    """--forward-prefetch: each unit issues the next one's all-gather in forward, in the order of
+    the first forward (recorded by hooks that then go): the Free Transformer runs its latent
+    sampler between two blocks."""
     order, handles = [], []
 
     def ran(module, args):
@@ -626,72 +764,68 @@ def forward_prefetch_in_run_order(root, units):
     handles.append(root.register_forward_hook(done))
 
 
-def local_parameter_count(model):
-    """Parameters held by this rank (a DTensor's numel is its global size)."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+@contextlib.contextmanager
+def fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def resolve_fsdp2(cfg, topo):
+    f = cfg.fsdp
+    if replicates_only(cfg, topo):
+        return
+    if topo.world == 1 and fsdp2_reshards(f) and not f.cpu_offload:
+        # One process holds every shard: resharding would only gather them again in backward.
+        say(topo, f"--strategy fsdp2 with 1 process: {f.sharding_strategy} would reshard only to "
+            "gather again in backward; using SHARD_GRAD_OP")
+        f.sharding_strategy = "SHARD_GRAD_OP"
+    accumulate_with_no_sync(cfg, topo)
+
+
+STRATEGIES["fsdp2"] = Strategy(
+    wrap=wrap_fsdp2, resolve=resolve_fsdp2, no_sync=fsdp2_no_sync,
+    # torch's clip and amp's scaler see every shard: the gradients are DTensors
+    clip=clip_norm, scaler=torch.amp.GradScaler, shards=True, compiles_units=True,
+    # With --cpu-offload its gradients stay on the host, where clipping all-reduces their norm:
+    # on GPUs the group then needs gloo for CPU tensors too, as torchtitan's does.
+    host_grads=True)
 
 
 # =============================================================================================
-# Precision, gradient sync and clipping
+# --strategy ddp and none: every process holds the whole model (DDP all-reduces the gradients;
+# none is one process). torch.autocast casts, and the weights stay fp32.
+
+def wrap_whole(model, units, blocks, cfg, topo, init_fn, ddp=False):
+    """Compile the blocks in place or, after wrapping, the whole model; checkpoint; materialise a
+    meta model module by module; then DDP, whose gradients are views into its all-reduce buckets
+    (gradient_as_bucket_view: no second copy of every gradient)."""
+    n = parameter_count(model)
+    compile_in_place(model, blocks, cfg, whole=False)
+    checkpoint_blocks(blocks, cfg.fsdp)
+    if cfg.fsdp.meta_init:
+        materialise = meta_init_fn(model, init_fn, topo.device)
+        for m in init_order(model, units):
+            materialise(m)
+    model = model.to(topo.device)
+    if ddp:
+        model = DDP(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if cfg.train.compile and not compiles_blocks(cfg, n):
+        model = torch.compile(model, mode=compile_mode(cfg, n))
+    return model
 
 
-def precision_context(cfg, device):
-    """FSDP1 and FSDP2 cast through their mixed-precision policies: the model computes in param_dtype. DDP
-    and one device use autocast instead (the weights and residual stream stay fp32); --autocast adds it under FSDP."""
-    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype]) if autocasts(cfg) else contextlib.nullcontext()
+STRATEGIES["ddp"] = Strategy(
+    wrap=functools.partial(wrap_whole, ddp=True), resolve=accumulate_with_no_sync,
+    no_sync=lambda model: model.no_sync(), clip=clip_norm, scaler=torch.amp.GradScaler)
 
-
-def autocasts(cfg):
-    return cfg.fsdp.param_dtype != "fp32" and (cfg.train.strategy not in ("fsdp", "fsdp2") or cfg.fsdp.autocast)
-
-
-@contextlib.contextmanager
-def gradient_sync(model, cfg, last):
-    """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
-    reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync."""
-    if last or cfg.train.grad_accum_mode == "sync" or cfg.train.strategy == "none":
-        yield
-    elif cfg.train.strategy == "fsdp2":  # FSDP2 has no no_sync
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        with model.no_sync():
-            yield
-
-
-def clip_gradients(model, cfg):
-    """Global gradient norm, clipped when --grad-clip > 0. FSDP1 needs its own clip_grad_norm_ (torch.nn.utils'
-    sees only this rank's shard); under FSDP2 the norm is a DTensor whose full value is the global norm."""
-    limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    if cfg.train.strategy == "fsdp":
-        return model.clip_grad_norm_(limit)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def grad_scaler(cfg, device):
-    """fp16 needs loss scaling. FSDP1's scaler sees overflow in any shard; under FSDP2 the amp one does (DTensor)."""
-    if cfg.fsdp.param_dtype != "fp16":
-        return None
-    return (ShardedGradScaler if cfg.train.strategy == "fsdp" else torch.amp.GradScaler)(device.type)
-
-
-def state_dict_options(purpose, device=None, meta=None):
-    """State-dict options. "sharded save": FSDP1's shards are new GPU copies, so they go to the host as
-    made (a model at the memory limit would die at its first save). "save": in full, on the host, on
-    every rank (FSDP1's rank-0-only gather frees storage it then reads). "init": keys the model lacks."""
-    if purpose == "sharded save":
-        cfg = meta["config"]
-        shards = cfg["train"]["strategy"] == "fsdp" and cfg["fsdp"]["sharding_strategy"] != "NO_SHARD"
-        return StateDictOptions(cpu_offload=shards and meta["world_size"] > 1 and device.type == "cuda")
-    if purpose == "save":
-        return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
-    return StateDictOptions(full_state_dict=True, strict=purpose != "init")
-
-
+STRATEGIES["none"] = Strategy(
+    wrap=wrap_whole, resolve=accumulate_with_no_sync,
+    no_sync=lambda model: contextlib.nullcontext(),  # one process: nothing to reduce
+    clip=clip_norm, scaler=torch.amp.GradScaler)
 # =============================================================================================
 # Optimizer and schedule
 
@@ -712,7 +846,8 @@ def plan_run(cfg, topo, data):
     t = cfg.train
     micro = t.micro_batch or t.global_batch // topo.world
     return Plan(micro=micro, accum=t.global_batch // (micro * topo.world), seq_len=data.seq_len,
-                tokens_per_step=t.global_batch * data.seq_len, max_steps=t.max_steps, peak_lr=peak_lr(t))
+                tokens_per_step=t.global_batch * data.seq_len, max_steps=t.max_steps,
+                peak_lr=peak_lr(t))
 
 
 def peak_lr(t):
@@ -734,12 +869,12 @@ def unwrapped_name(name):
 
 
 def hidden_matrices(model, wrap_classes):
-    """Names of the parameters --optimizer muon orthogonalises: the model's muon_filter(name, param) where it
-    has one, else the 2-D weights inside the FSDP unit classes (the blocks). Embeddings and head take AdamW."""
+    """Names of the parameters --optimizer muon orthogonalises: the model's muon_filter(name, p)
+    if any, else the 2-D weights in the FSDP unit classes (blocks). Embeddings and head: AdamW."""
     if hasattr(model, "muon_filter"):
         return {n for n, p in model.named_parameters() if model.muon_filter(n, p)}
-    return {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, tuple(wrap_classes))
-            for n, p in m.named_parameters() if p.dim() == 2}
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, tuple(wrap_classes))]
+    return {f"{name}.{n}" for name, m in blocks for n, p in m.named_parameters() if p.dim() == 2}
 
 
 def build_optimizer(model, cfg, lr, device, about):
@@ -752,22 +887,25 @@ def build_optimizer(model, cfg, lr, device, about):
     if any(n.endswith("_flat_param") for n, _ in named):
         groups = [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
     else:
-        groups = [{"params": [p for n, p in named if n in decay_names and n not in hidden],
+        adam = [(n, p) for n, p in named if n not in hidden]
+        groups = [{"params": [p for n, p in adam if n in decay_names],
                    "weight_decay": t.weight_decay},
-                  {"params": [p for n, p in named if n not in decay_names and n not in hidden], "weight_decay": 0.0}]
-    # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf: fp16 takes foreach.
+                  {"params": [p for n, p in adam if n not in decay_names], "weight_decay": 0.0}]
+    # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf: fp16
+    # takes foreach.
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
     kind = importlib.import_module("muon").Muon if hidden else torch.optim.AdamW  # muon.py
     optimizer = kind(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
     if hidden:
-        optimizer.add_param_group({"params": [p for n, p in named if n in hidden], "weight_decay": t.weight_decay,
-                                   "muon": cfg.fsdp.param_dtype, "lr_ratio": (t.muon_lr or t.lr) / t.lr})
+        optimizer.add_param_group({"params": [p for n, p in named if n in hidden],
+                                   "weight_decay": t.weight_decay, "muon": cfg.fsdp.param_dtype,
+                                   "lr_ratio": (t.muon_lr or t.lr) / t.lr})
     return optimizer
 
 
 def schedule_length(t, saved):
-    """--lr-decay-steps when 0: the first launch's (`saved`: its train settings), so that a resume keeps
-    the schedule; a new run takes it from --max-steps."""
+    """--lr-decay-steps when 0: the first launch's (`saved`: its train settings), so that a resume
+    keeps the schedule; a new run takes it from --max-steps."""
     for steps in (t.lr_decay_steps, saved.get("lr_decay_steps"), saved.get("max_steps")):
         if steps:
             return steps
@@ -775,15 +913,17 @@ def schedule_length(t, saved):
 
 
 def lr_at(step, peak, cfg, max_steps):
-    """The rate of step `step` (from 0): linear warmup, then cosine to min_lr_ratio * peak at step --lr-decay-steps,
-    flat after; or wsd: the peak, then a linear decay over the last --lr-decay-steps (0: from max_steps)."""
+    """The rate of step `step` (from 0): linear warmup, then cosine to min_lr_ratio * peak at step
+    --lr-decay-steps, flat after; or wsd: the peak, then a linear decay over the last
+    --lr-decay-steps (0: from max_steps)."""
     t, floor = cfg.train, cfg.train.min_lr_ratio
     if step < t.warmup_steps:
         return peak * (step + 1) / t.warmup_steps
     if t.lr_schedule == "wsd":
         decay = t.lr_decay_steps or max(1, max_steps // 5)
         return peak * (1 - (1 - floor) * min(1.0, max(0.0, (step + 1 - max_steps + decay) / decay)))
-    progress = (step - t.warmup_steps) / max(1, (t.lr_decay_steps or max_steps) - 1 - t.warmup_steps)
+    decay_end = t.lr_decay_steps or max_steps
+    progress = (step - t.warmup_steps) / max(1, decay_end - 1 - t.warmup_steps)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -804,8 +944,9 @@ def micro_batches(data, step, cfg, plan, topo):
 
 
 def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
-    """One optimizer step over the micro-batches; each one's loss is divided by their number, so the summed gradient is
-    that of the mean loss over the global batch. Returns (mean losses, global gradient norm, whether skipped)."""
+    """One optimizer step over the micro-batches; each one's loss is divided by their number, so
+    the summed gradient is the mean loss's over the global batch. Returns (mean losses, global
+    gradient norm, whether skipped)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
         new_graph_step(cfg)
@@ -831,21 +972,22 @@ def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
 
 
 def new_graph_step(cfg):
-    """Under CUDA graphs a new forward may reuse the memory of the last replay's outputs, all read by now."""
+    """Under CUDA graphs a new forward may reuse the last replay's outputs' memory, read by now."""
     if cfg.train.compile:
         torch.compiler.cudagraph_mark_step_begin()
 
 
 @torch.no_grad()
 def evaluate(model, data, cfg, topo, micro, loss_fn):
-    """Mean loss over the fixed validation rows, world-size independent. Every rank runs the same
-    number of forwards (FSDP forwards are collectives): one with no rows left runs a dummy row weighted 0."""
+    """Mean loss over the fixed validation rows, world-size independent. Every rank runs as many
+    forwards (FSDP's are collectives): one with no rows left runs a dummy row weighted 0."""
     n = min(cfg.train.eval_samples, data.n_val)
     model.eval()
     sums = {}
     # Eager, even under --compile: eval() and no_grad fail the training graph's guards, and a second
     # compile at the first evaluation would cost more than all the run's evaluation forwards.
-    with torch.compiler.set_stance("force_eager") if cfg.train.compile else contextlib.nullcontext():
+    eager = cfg.train.compile
+    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
         for chunk in range(0, n, micro * topo.world):
             start = chunk + topo.rank * micro
             count = max(0, min(micro, n - start))
@@ -868,8 +1010,9 @@ def all_reduce_scalars(values, device, op=dist.ReduceOp.SUM):
 
 
 class NonFinite:
-    """The first step whose loss (or gradient norm) is not finite, kept on the device without a sync per step and
-    checked on every rank (a collective) at log steps and before every save. Under fp16 the scaler owns gradients."""
+    """The first step whose loss (or gradient norm) is not finite, kept on the device (no sync a
+    step), checked on every rank (a collective) at log steps and before every save. Under fp16
+    the scaler owns gradients."""
 
     NEVER = 2 ** 62
 
@@ -891,9 +1034,9 @@ class NonFinite:
         worst = self.first.clone()
         dist.all_reduce(worst, op=dist.ReduceOp.MIN)
         if worst.item() != self.NEVER:
-            raise RunFailed(f"the loss or its gradient became NaN/inf at step {worst.item()}; stopped without "
-                            "saving that state (the latest checkpoint is still the last good one); lower --lr or "
-                            "pass --skip-nonfinite")
+            raise RunFailed(f"the loss or its gradient became NaN/inf at step {worst.item()}; "
+                            "stopped without saving that state (the latest checkpoint is still the "
+                            "last good one); lower --lr or pass --skip-nonfinite")
 
 
 # =============================================================================================
@@ -996,7 +1139,7 @@ def finish(val, log, stopper, lock, topo):
     log.close()
     stopper.poll()  # the last collective, a barrier: every rank fails when rank 0 could not log
     if lock:
-        lock.close()  # the next run may take the directory (the kernel would drop it at exit anyway)
+        lock.close()  # the next run may take the directory (the kernel would drop it at exit)
     if topo.owner:
         dist.destroy_process_group()
 
@@ -1031,8 +1174,9 @@ def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
 
 
 def run(argv=None, **seams):
-    """The entry point of `python train_fsdp.py` and of your model's script: main(argv, **seams), then exit: 0 finished;
-    1 a run that cannot go on, 2 bad input (one line on stderr); 3 saved and stopped by SIGTERM/SIGUSR1 (requeue me)."""
+    """The entry of `python train_fsdp.py` and of your model's script: main(argv, **seams), then
+    exit: 0 finished; 1 a run that cannot go on, 2 bad input (one line on stderr); 3 saved and
+    stopped by SIGTERM/SIGUSR1 (requeue me)."""
     code, message = 0, None
     try:
         main(argv, **seams)
@@ -1042,7 +1186,7 @@ def run(argv=None, **seams):
         code, message = EXIT_PREEMPTED, str(e)
     # Before the process group exists the ranks have not agreed on the error: each says its own
     # (under torchrun the first rank to exit has the others killed, rank 0 perhaps before it spoke).
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # the group may not exist yet
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # no group yet, maybe
     if message and (rank == 0 or not dist.is_initialized()):
         sys.stderr.write(message + "\n")  # one write: under torchrun the ranks' lines share a pipe
     if dist.is_initialized():
@@ -1051,8 +1195,9 @@ def run(argv=None, **seams):
 
 
 def leave(code):
-    """Exit without tearing down the interpreter: a gloo worker thread may still be releasing a finished collective's
-    tensors, and if it needs the GIL while Python finalises, a run that succeeded aborts. All is closed by now."""
+    """Exit without tearing down the interpreter: a gloo worker thread may still be releasing a
+    finished collective's tensors, and if it needs the GIL while Python finalises, a run that
+    succeeded aborts. All is closed by now."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -2165,7 +2310,7 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(headline)
     log.line(loss_precision(cfg))
-    if t.strategy in ("fsdp", "fsdp2") and cfg.fsdp.auto_wrap == "auto":
+    if strategy_of(cfg).shards and cfg.fsdp.auto_wrap == "auto":
         log.line("--auto-wrap auto: " + ("the whole model is one FSDP unit (--auto-wrap module makes each block one)"
                                          if one else "each block is an FSDP unit (the module rule)"))
     if t.compile:
@@ -2194,26 +2339,43 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
     return log
 
 
+# What only FSDP reads (param_dtype and activation checkpointing serve DDP and one device too).
+FSDP_ONLY = {"sharding_strategy", "hybrid_shard_size", "backward_prefetch", "forward_prefetch",
+             "limit_all_gathers", "use_orig_params", "cpu_offload", "sync_module_states",
+             "auto_wrap", "min_num_params", "reduce_dtype", "buffer_dtype", "autocast"}
+# FSDP1 settings FSDP2 has no form for: said, not refused, when changed from the default.
+FSDP2_IGNORED = {"backward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states",
+                 "buffer_dtype"}
+
+
 def describe_strategy(cfg, one=False):
-    """(headline, notes) of the start-up summary: the strategy and its dtypes, and settings that have
-    no effect under it. one: the model is one FSDP unit, the root."""
-    t, f = cfg.train, cfg.fsdp
-    default, off = FSDPConfig(), {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
-    ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items() if k in off and v != getattr(default, k)]
-    notes = [f"with --strategy {t.strategy} these {'FSDP1' if t.strategy == 'fsdp2' else 'FSDP'} settings have no "
-             f"effect: {', '.join(ignored)}"] if ignored else []
-    if t.strategy == "fsdp" and not f.use_orig_params and t.weight_decay > 0:
-        notes.append("use_orig_params=False: FSDP flattens parameters, so weight decay applies to all of them")
+    """(headline, notes) of the start-up summary: the strategy and its dtypes, and settings that
+    have no effect under it. one: the model is one FSDP unit, the root."""
+    t, f, default = cfg.train, cfg.fsdp, FSDPConfig()
+    off = {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
+    ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items()
+               if k in off and v != getattr(default, k)]
+    what = "FSDP1" if off is FSDP2_IGNORED else "FSDP"
+    notes = [f"with --strategy {t.strategy} these {what} settings have no effect: "
+             f"{', '.join(ignored)}"] if ignored else []
     if t.strategy == "fsdp":
-        return (f"strategy fsdp {f.sharding_strategy} wrap={f.auto_wrap} prefetch={f.backward_prefetch} | "
-                f"dtypes param={f.param_dtype} reduce={f.reduce_dtype} buffer={f.buffer_dtype}"), notes
+        if not f.use_orig_params and t.weight_decay > 0:
+            notes.append("use_orig_params=False: FSDP flattens parameters, so weight decay "
+                         "applies to all of them")
+        return (f"strategy fsdp {f.sharding_strategy} wrap={f.auto_wrap} "
+                f"prefetch={f.backward_prefetch} | dtypes param={f.param_dtype} "
+                f"reduce={f.reduce_dtype} buffer={f.buffer_dtype}"), notes
     if t.strategy == "fsdp2":
-        reshard = fsdp2_reshards(f)
-        kept = " except the root" + (" and last block" if f.auto_wrap != "size" and not one else "") if reshard else ""
-        return (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) wrap={f.auto_wrap}"
-                f"{' forward_prefetch' if f.forward_prefetch else ''}{' cpu_offload' if f.cpu_offload else ''} | "
-                f"dtypes param={f.param_dtype} reduce={f.reduce_dtype}"), notes
-    return f"strategy {t.strategy} | autocast {f.param_dtype} (reduce/buffer dtypes apply to FSDP only)", notes
+        reshard, kept = fsdp2_reshards(f), ""
+        if reshard:
+            last = f.auto_wrap != "size" and not one
+            kept = " except the root" + (" and last block" if last else "")
+        return (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) "
+                f"wrap={f.auto_wrap}{' forward_prefetch' if f.forward_prefetch else ''}"
+                f"{' cpu_offload' if f.cpu_offload else ''} | dtypes param={f.param_dtype} "
+                f"reduce={f.reduce_dtype}"), notes
+    return (f"strategy {t.strategy} | autocast {f.param_dtype} (reduce/buffer dtypes apply to "
+            "FSDP only)"), notes
 
 
 def loss_precision(cfg):
@@ -2476,28 +2638,34 @@ def check_strategy(cfg, topo=None):
     """What each strategy accepts: with the settings alone, then again with the world and device."""
     t, f = cfg.train, cfg.fsdp
     cpu = topo and topo.device.type == "cpu"
-    if t.strategy in ("fsdp", "fsdp2") and topo and "HYBRID" in f.sharding_strategy and \
-            topo.world % hybrid_shard_size(cfg, topo):
-        raise BadInput(f"--hybrid-shard-size {hybrid_shard_size(cfg, topo)} must divide the world size {topo.world}")
+    hybrid = topo and strategy_of(cfg).shards and "HYBRID" in f.sharding_strategy
+    if hybrid and topo.world % hybrid_shard_size(cfg, topo):
+        raise BadInput(f"--hybrid-shard-size {hybrid_shard_size(cfg, topo)} must divide the world "
+                       f"size {topo.world}")
     if t.strategy == "fsdp2" and f.sharding_strategy == "NO_SHARD":
-        raise BadInput("--sharding-strategy NO_SHARD has no FSDP2 form (it is replication): use --strategy ddp")
-    if t.strategy == "fsdp" and f.cpu_offload and t.grad_accum_mode == "sync":
-        raise BadInput("--grad-accum-mode sync with --cpu-offload: FSDP overwrites instead of accumulating "
-                       "offloaded gradients outside no_sync; use --grad-accum-mode no_sync")
-    if t.strategy == "fsdp" and cpu and f.cpu_offload:
-        raise BadInput("--cpu-offload needs a GPU: without one the parameters already live on the CPU "
-                       "(and FSDP's pinned-memory offload cannot run)")
-    if t.strategy == "fsdp" and cpu and f.sync_module_states:
-        raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; on CPU "
-                       "every rank already builds the same weights from --seed")
-    if t.strategy == "fsdp" and t.optimizer == "muon":
-        raise BadInput("--optimizer muon orthogonalises whole matrices, which FSDP1 holds as flat shards: use "
-                       "--strategy fsdp2 (or ddp, none)")
-    if t.strategy == "none" and f.reduce_dtype == "fp16" and f.param_dtype != "fp16":
-        raise BadInput("--reduce-dtype fp16 without --param-dtype fp16 has no meaning here")
-    if t.strategy == "none" and topo and topo.world > 1:
-        raise BadInput(f"--strategy none with {topo.world} processes would train {topo.world} "
-                       "unsynchronised copies; use --strategy fsdp or ddp, or launch one process")
+        raise BadInput("--sharding-strategy NO_SHARD has no FSDP2 form (it is replication): use "
+                       "--strategy ddp")
+    if t.strategy == "fsdp":
+        if f.cpu_offload and t.grad_accum_mode == "sync":
+            raise BadInput("--grad-accum-mode sync with --cpu-offload: FSDP overwrites instead of "
+                           "accumulating offloaded gradients outside no_sync; use "
+                           "--grad-accum-mode no_sync")
+        if cpu and f.cpu_offload:
+            raise BadInput("--cpu-offload needs a GPU: without one the parameters already live on "
+                           "the CPU (and FSDP's pinned-memory offload cannot run)")
+        if cpu and f.sync_module_states:
+            raise BadInput("--sync-module-states needs a GPU: FSDP1 broadcasts only GPU tensors; "
+                           "on CPU every rank already builds the same weights from --seed")
+        if t.optimizer == "muon":
+            raise BadInput("--optimizer muon orthogonalises whole matrices, which FSDP1 holds as "
+                           "flat shards: use --strategy fsdp2 (or ddp, none)")
+    if t.strategy == "none":
+        if f.reduce_dtype == "fp16" and f.param_dtype != "fp16":
+            raise BadInput("--reduce-dtype fp16 without --param-dtype fp16 has no meaning here")
+        if topo and topo.world > 1:
+            raise BadInput(f"--strategy none with {topo.world} processes would train {topo.world} "
+                           "unsynchronised copies; use --strategy fsdp or ddp, or launch one "
+                           "process")
 
 
 def check_world(cfg, topo):
@@ -2516,41 +2684,13 @@ def check_world(cfg, topo):
 def resolve_config(cfg, topo, data):
     """Fill in what the settings leave open once the world and the data are known: the strategy's
     needs, the run's length, the seams' derived fields (resolve(data)). The config is then only read."""
-    resolve_strategy(cfg, topo)
+    strategy_of(cfg).resolve(cfg, topo)  # may hand over to another strategy
     t = cfg.train
     t.max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     if t.lr_schedule == "wsd" and t.lr_decay_steps + t.warmup_steps > t.max_steps:
         raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the wsd decay and --warmup-steps {t.warmup_steps} "
                        f"do not fit in the run's {t.max_steps} steps")
     seam_hooks(cfg, "resolve", data)
-
-
-def resolve_strategy(cfg, topo):
-    """Settings the strategy needs changed, said on rank 0."""
-    t, f = cfg.train, cfg.fsdp
-
-    def say(line):
-        if topo.rank == 0:
-            print(line)
-    if t.strategy in ("fsdp", "fsdp2") and "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1 \
-            and topo.world > 1:
-        # One process per shard group is replication, DDP's job (FSDP1 would skip the all-reduce across replicas).
-        say(f"{f.sharding_strategy} with 1 process per shard group is pure replication: using DDP "
-            "(--strategy ddp) across all processes")
-        t.strategy = "ddp"
-    if t.strategy == "fsdp2" and topo.world == 1 and fsdp2_reshards(f) and not f.cpu_offload:
-        # One process holds every shard: resharding would only gather the same parameters again in backward.
-        say(f"--strategy fsdp2 with 1 process: {f.sharding_strategy} would reshard only to gather again in "
-            "backward; using SHARD_GRAD_OP")
-        f.sharding_strategy = "SHARD_GRAD_OP"
-    if t.grad_accum_mode == "auto":
-        # FSDP1's no_sync accumulates in param_dtype, sync in reduce_dtype; the others accumulate in reduce_dtype.
-        t.grad_accum_mode = "sync" if t.strategy == "fsdp" and not f.cpu_offload else "no_sync"
-        if t.strategy == "fsdp" and f.cpu_offload and f.param_dtype != f.reduce_dtype:
-            say(f"--cpu-offload: accumulating with no_sync (FSDP1 offload allows no other), in {f.param_dtype}")
-    if t.strategy == "fsdp" and t.compile and not f.use_orig_params:
-        f.use_orig_params = True
-        say("--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main():
         topo = train_fsdp.setup_distributed(cfg)
         if strategy == "none":
             topo = dataclasses.replace(topo, rank=0, world=1)
-        train_fsdp.resolve_strategy(cfg, topo)
+        train_fsdp.strategy_of(cfg).resolve(cfg, topo)
         if mode == "auto":
             resolved[strategy] = cfg.train.grad_accum_mode
             continue

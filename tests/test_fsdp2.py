@@ -57,7 +57,7 @@ def build(argv):
     cfg = train_fsdp.parse_config(argv)
     train_fsdp.check_config(cfg)
     topo = train_fsdp.setup_distributed(cfg)
-    train_fsdp.resolve_strategy(cfg, topo)
+    train_fsdp.strategy_of(cfg).resolve(cfg, topo)
     model_lib.resolve_model_config(cfg.model, 64)
     topo = dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
     model, wrap, ckpt = train_fsdp.build_model(cfg)
@@ -162,7 +162,7 @@ def test_fsdp2_refuses_no_shard_pointing_to_ddp():
 
 def topology(world=2):
     return train_fsdp.Topology(rank=1, local_rank=1, world=world, local_world=world, device=torch.device("cpu"),
-                               backend="gloo")  # rank 1: resolve_strategy prints nothing
+                               backend="gloo")  # rank 1: the strategy's resolve prints nothing
 
 
 @pytest.mark.parametrize("argv,mode", [
@@ -176,7 +176,7 @@ def test_default_accumulation_mode_is_exact_in_reduce_dtype(argv, mode):
     fp32 (DDP, one device) under no_sync. An explicit mode is kept."""
     cfg = train_fsdp.parse_config(argv)
     assert cfg.train.grad_accum_mode == ("auto" if "--grad-accum-mode" not in argv else mode)
-    train_fsdp.resolve_strategy(cfg, topology())
+    train_fsdp.strategy_of(cfg).resolve(cfg, topology())
     assert cfg.train.grad_accum_mode == mode
 
 
@@ -217,14 +217,14 @@ def test_fsdp2_on_one_process_keeps_parameters_gathered(sharding, capsys):
     (its own rule) keep what was asked."""
     one = dataclasses.replace(topology(1), rank=0, local_rank=0)
     cfg = train_fsdp.parse_config(["--strategy", "fsdp2", "--sharding-strategy", sharding])
-    train_fsdp.resolve_strategy(cfg, one)
+    train_fsdp.strategy_of(cfg).resolve(cfg, one)
     assert cfg.fsdp.sharding_strategy == "SHARD_GRAD_OP"
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and sharding in out and "SHARD_GRAD_OP" in out
     for argv, world in ((["--strategy", "fsdp2"], 2), (["--strategy", "fsdp2", "--cpu-offload"], 1),
                         (["--strategy", "fsdp"], 1)):
         cfg = train_fsdp.parse_config([*argv, "--sharding-strategy", sharding])
-        train_fsdp.resolve_strategy(cfg, topology(world))
+        train_fsdp.strategy_of(cfg).resolve(cfg, topology(world))
         assert cfg.fsdp.sharding_strategy == sharding
 
 
