@@ -139,7 +139,7 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2", valid="in [0, 1)")
     optimizer: str = opt("adamw", "adamw, or muon: Muon on the hidden matrices, AdamW on the "
                          "rest (fsdp2, ddp, none)", ["adamw", "muon"])
-    muon_lr: float = opt(0.0, "Muon's peak rate; 0 = --lr (updates at AdamW's RMS)", valid=">= 0")
+    muon_lr: float = opt(0.0, "Muon's peak rate; 0 = twice --lr", valid=">= 0")
     grad_clip: float = opt(1.0, "max global gradient norm; 0 = no clipping", valid=">= 0")
     eval_every: int = opt(100, "validate every N steps and at the end; 0: at the end", valid=">= 0")
     eval_samples: int = opt(512, "validation sequences per evaluation", valid=">= 1")
@@ -896,10 +896,10 @@ def build_optimizer(model, cfg, lr, device, about):
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
     kind = importlib.import_module("muon").Muon if hidden else torch.optim.AdamW  # muon.py
     optimizer = kind(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
-    if hidden:
+    if hidden:  # --muon-lr 0: twice --lr, the better rate at 10M and 1b (BENCHMARKS.md, Muon)
         optimizer.add_param_group({"params": [p for n, p in named if n in hidden],
                                    "weight_decay": t.weight_decay, "muon": cfg.fsdp.param_dtype,
-                                   "lr_ratio": (t.muon_lr or t.lr) / t.lr})
+                                   "lr_ratio": t.muon_lr / t.lr if t.muon_lr else 2.0})
     return optimizer
 
 

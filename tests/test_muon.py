@@ -100,3 +100,22 @@ def test_which_parameters_take_muon():
             self.fc, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
     plain = torch.nn.Sequential(torch.nn.Embedding(10, 4), Block(), torch.nn.Linear(4, 10))
     assert train_fsdp.hidden_matrices(plain, {Block}) == {"1.fc.weight"}
+
+
+def test_muons_rate_is_twice_lr_unless_set_and_a_resume_keeps_its_own():
+    """--muon-lr 0 gives Muon twice --lr (BENCHMARKS: Muon); --muon-lr sets it. A checkpoint's
+    param groups hold the ratio, so a run saved under another default resumes at its own rate."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+    about = {"decay_names": {"1.weight", "2.weight"}, "hidden": {"1.weight"}}
+
+    def ratio(argv, state=None):
+        cfg = train_fsdp.parse_config(["--optimizer", "muon", "--lr", "1e-3", *argv])
+        optimizer = train_fsdp.build_optimizer(model, cfg, 1e-3, torch.device("cpu"), about)
+        if state:
+            optimizer.load_state_dict(state)
+        (group,) = [g for g in optimizer.param_groups if g.get("muon")]
+        return group["lr_ratio"], optimizer
+
+    assert ratio([])[0] == 2.0 and ratio(["--muon-lr", "5e-4"])[0] == pytest.approx(0.5)
+    _, old = ratio(["--muon-lr", "1e-3"])  # the default before: --lr itself
+    assert ratio([], old.state_dict())[0] == 1.0

@@ -5,6 +5,7 @@
 #            tuned on --seed 3 (2,000 steps of the 5,000-step schedule, --muon-lr 5e-4, 1e-3, 2e-3; the lowest
 #            best validation wins; MUON_LR=RATE skips the tuning), then AdamW and Muon at that rate, seeds 1 and 2, 5,000 steps
 #            (tools/first_result.py: seconds and steps to validation <= 1.50 and 1.47, best validation).
+#   quality1b  --size 1b on CORPUS, Muon at --lr and twice it, seeds 7 and 11, one run a GPU (300 steps).
 #   latent   the Free Transformer 6 x 384 on the synthetic task (H = 8 and 16), 4,000 steps, AdamW and Muon
 #            side by side on one GPU, then sample.py --demo (tools/latent_confirm.sh).
 #   cost     (CORPUS unused: /dev/null) the 1b model's step under fsdp2 (tools/speed_gpu.sh's 1b flags, 12 x 4 rows a step;
@@ -37,6 +38,22 @@ for name in "$@"; do
       "adamw seed 2=$T $SMALL --max-steps 5000 --seed 2" \
       "muon seed 1=$T $SMALL --max-steps 5000 --seed 1 --optimizer muon --muon-lr $lr" \
       "muon seed 2=$T $SMALL --max-steps 5000 --seed 2 --optimizer muon --muon-lr $lr" ;;
+  quality1b)
+    # --size 1b on CORPUS (bytes as tokens), one run a GPU, the GPUs side by side: Muon at --lr and at
+    # twice it, seeds 7 and 11 (neither tuned on), a 300-step cosine; the cache built once first.
+    B="--dataset $CORPUS --tokenizer-type char --tokenizer-vocab-size 256 --val-fraction 0.02 --seq-len 1024 \
+ --cache-dir $W/data"
+    python data.py $B
+    RUN="$T $B --size 1b --arch baseline --global-batch 16 --micro-batch 16 --lr 3e-4 --warmup-steps 30 --max-steps 300 --eval-every 50 \
+ --eval-samples 256 --log-every 25 --no-save-final --compile --overwrite --strategy none --optimizer muon"
+    gpu=0
+    for s in 7 11; do
+      CUDA_VISIBLE_DEVICES=$((gpu % NGPU)) python tools/first_result.py $R/quality1b-seed$s.json \
+        "muon-lr 3e-4 seed $s=$RUN --seed $s --muon-lr 3e-4 --out-dir $W/runs/a$s" \
+        "muon-lr 6e-4 seed $s=$RUN --seed $s --muon-lr 6e-4 --out-dir $W/runs/b$s" > $R/quality1b-seed$s.log 2>&1 &
+      gpu=$((gpu + 1))
+    done
+    wait; cat $R/quality1b-seed*.log ;;
   latent)
     M="--arch free --n-layer 6 --d-model 384 --n-head 6 --max-steps 4000"
     printf '%s\n' "adamw-h8 $M" "muon-h8 $M --optimizer muon" "adamw-h16 $M --latent-bits 16" \
@@ -48,6 +65,6 @@ for name in "$@"; do
       python tools/startup_bench.py --skip 4 $R/cost-gpus.json "adamw $NGPU GPUs=$TR $ONE" \
         "muon $NGPU GPUs=$TR $ONE --optimizer muon"
     fi ;;
-  *) echo "unknown benchmark: $name (quality, latent, cost)"; exit 2 ;;
+  *) echo "unknown benchmark: $name (quality, quality1b, latent, cost)"; exit 2 ;;
   esac 2>&1 | tee $R/$name.log
 done
