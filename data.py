@@ -1,5 +1,4 @@
-"""Training data for train_fsdp.py: the synthetic task of the Free Transformer paper, or a text
-corpus.
+"""Training data for train_fsdp.py: the Free Transformer paper's synthetic task, or a corpus.
 
 prepare_data() does the slow, disk-writing work once (on global rank 0, with every core of its
 node): train a SentencePiece tokenizer, tokenize the corpus into flat uint16/uint32 token files and
@@ -105,8 +104,7 @@ SHIFT_STREAM = 1
 
 
 def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
-    """n synthetic samples as an (n, 67) uint8 array of token ids, generated without a Python
-    loop."""
+    """n synthetic samples: an (n, 67) uint8 array of token ids, made without a Python loop."""
     letters = (LETTER_A + rng.integers(0, 26, n)).astype(np.uint8)
     starts = rng.integers(0, SYNTH_BODY - SYNTH_BLOCK + 1, n)
     body = np.full((n, SYNTH_BODY), BLANK, np.uint8)
@@ -516,8 +514,7 @@ def cache_dir_for(cfg: DataConfig) -> Path:
 
 
 def token_files(out: Path, manifest: dict) -> dict:
-    """{split: (file, first token, tokens)}: the cache's own .bin files, or the given token
-    files."""
+    """{split: (file, first token, tokens)}: the cache's own .bin files or the given ones."""
     if "token_files" in manifest:
         return {name: (Path(f), lo, n) for name, (f, lo, n) in manifest["token_files"].items()}
     return {"train": (out / "train.bin", 0, manifest["train_tokens"]),
@@ -525,10 +522,8 @@ def token_files(out: Path, manifest: dict) -> dict:
 
 
 def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
-    """The cache's manifest if it was built from exactly these inputs and its files are complete,
-    else None."""
-    # open_dataset passes no hashes: rank 0 has just checked them in prepare_data; hashing on every
-    # rank is slow.
+    """The cache's manifest if built from exactly these inputs, its files complete; else None."""
+    # open_dataset passes no hashes: rank 0 just checked them in prepare_data; hashing is slow.
     try:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -670,8 +665,7 @@ def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, b
 
 
 def split_tail(src: Path, dest: Path, dtype, n_total: int, n_tail: int) -> None:
-    """Move the last n_tail tokens of src into dest, truncating src in place (no second full copy on
-    disk)."""
+    """Move the last n_tail tokens of src into dest, truncating src in place (no second copy)."""
     tokens = np.memmap(src, dtype=dtype, mode="r", shape=(n_total,))
     with open(dest, "wb") as f:
         for i in range(n_total - n_tail, n_total, 1 << 24):
@@ -707,8 +701,7 @@ def missing_dirs(path: Path) -> list[Path]:
 
 
 def remove_dead_builds(root: Path, prefix: str) -> None:
-    """Temporary build directories of this host whose process no longer runs (killed with
-    SIGKILL)."""
+    """Remove this host's build directories whose process no longer runs (killed by SIGKILL)."""
     for d in root.glob(prefix + "*"):
         try:
             pid = int(d.name.rsplit("-", 1)[1])

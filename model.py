@@ -535,8 +535,7 @@ class FreeTransformer(Transformer):
     def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
         """Z for every position of a generation: `z` (B, T0 + new) if given; else each position's Z
         is drawn once from the uniform prior. prompt_z="prior" (default) is the generative model
-        that training fits; "encoder" reads the prompt alone, an input the encoder never saw (it saw
-        whole rows)."""
+        training fits; "encoder" reads the prompt alone, which the encoder never saw (only rows)."""
         B, T0 = prompt_ids.shape
         if z is not None:
             if tuple(z.shape) != (B, total):
@@ -587,8 +586,7 @@ def lm_loss(logits, targets, latent=None, kappa=0.0):
 def comparable_losses(model, x, y, parts):
     """The Free Transformer's figures that compare with a baseline's CE, which its own CE does not:
     Z from the encoder has seen the row. nll_bound = CE + KL bounds -log p(x) per token (Z_t uniform
-    under the prior); prior_ce is the CE with Z from the prior, as in generation (one more
-    forward)."""
+    under the prior); prior_ce: the CE with Z from the prior, as in generation (one more pass)."""
     prior_logits, _ = model(x, mode="inference")
     prior_ce, _ = lm_loss(prior_logits, y)  # no latent: the CE alone
     bound = parts["ce"] + parts["kl"]
