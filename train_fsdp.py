@@ -90,7 +90,7 @@ def opt(default, help, choices=None, valid=""):
 
 @dataclass
 class FSDPConfig:
-    sharding_strategy: str = opt("FULL_SHARD", "how parameters, gradients, optimizer state split",
+    sharding_strategy: str = opt("FULL_SHARD", "how parameters, gradients, optimizer state shard",
                                  ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                   "_HYBRID_SHARD_ZERO2"])
     hybrid_shard_size: int = opt(0, "processes per HYBRID_SHARD* group; 0 = per node", valid=">= 0")
@@ -246,6 +246,11 @@ class CorruptCheckpoint(RunFailed):
 
 class Preempted(Exception):
     """SIGTERM/SIGUSR1 arrived: the checkpoint is saved, exit with EXIT_PREEMPTED."""
+
+
+# =============================================================================================
+# Seams: model, loss, data and their settings (dataclasses: cfg.model, cfg.data). These defaults
+# train this project's model.py on its data.py; in your repo, pass yours to run() (own-model.md).
 
 
 def build_model(cfg):
@@ -428,9 +433,8 @@ def error_line(e):
 
 
 # =============================================================================================
-# Wrapping, precision and gradient sync: the model as its strategy trains it. A Strategy names
-# all that a --strategy decides; the three sections after this one fill it, so that what FSDP1,
-# FSDP2, DDP or one device does is read in one place. Other code asks strategy_of(cfg).
+# Wrapping, precision, gradient sync: a Strategy names all a --strategy decides; each of the three
+# sections after this one fills it for a strategy, read in one place. Others ask strategy_of(cfg).
 
 
 @dataclass(frozen=True)
@@ -700,10 +704,10 @@ STRATEGIES["fsdp"] = Strategy(
 # --strategy fsdp2: FSDP2, fully_shard on each unit and the root, in torchtitan's order. A
 # MixedPrecisionPolicy casts; set_requires_gradient_sync is its no_sync.
 
+
 def wrap_fsdp2(model, units, blocks, cfg, topo, init_fn):
-    """Activation checkpointing, compile (each block as a module, or the whole model last), then
-    fully_shard each unit bottom-up and the root. A meta model is sharded on the meta device,
-    then allocated (to_empty) and initialised (init_weights)."""
+    """Checkpointing, compile (each block as a module, or the model last), fully_shard on each unit
+    bottom-up and the root. A meta model is sharded on meta, then to_empty and init_weights."""
     f, n = cfg.fsdp, parameter_count(model)
     order = init_order(model, units)  # before compiling changes the module tree
     checkpoint_blocks(blocks, f)
@@ -746,9 +750,8 @@ def fsdp2_reshards(f):
 
 
 def forward_prefetch_in_run_order(root, units):
-    """--forward-prefetch: each unit issues the next one's all-gather in forward, in the order of
-    the first forward (recorded by hooks that then go): the Free Transformer runs its latent
-    sampler between two blocks."""
+    """--forward-prefetch: each unit issues the next one's all-gather in forward, in the first
+    forward's order (hooks record it, then go): the Free Transformer's sampler runs mid-stack."""
     order, handles = [], []
 
     def ran(module, args):
@@ -798,10 +801,10 @@ STRATEGIES["fsdp2"] = Strategy(
 # --strategy ddp and none: every process holds the whole model (DDP all-reduces the gradients;
 # none is one process). torch.autocast casts, and the weights stay fp32.
 
+
 def wrap_whole(model, units, blocks, cfg, topo, init_fn, ddp=False):
-    """Compile the blocks in place or, after wrapping, the whole model; checkpoint; materialise a
-    meta model module by module; then DDP, whose gradients are views into its all-reduce buckets
-    (gradient_as_bucket_view: no second copy of every gradient)."""
+    """Compile the blocks in place (or the model after wrapping), checkpoint, materialise a meta
+    model by module, then DDP: gradients as views into its buckets, no second copy of them."""
     n = parameter_count(model)
     compile_in_place(model, blocks, cfg, whole=False)
     checkpoint_blocks(blocks, cfg.fsdp)
@@ -826,6 +829,8 @@ STRATEGIES["none"] = Strategy(
     wrap=wrap_whole, resolve=accumulate_with_no_sync,
     no_sync=lambda model: contextlib.nullcontext(),  # one process: nothing to reduce
     clip=clip_norm, scaler=torch.amp.GradScaler)
+
+
 # =============================================================================================
 # Optimizer and schedule
 
@@ -913,9 +918,8 @@ def schedule_length(t, saved):
 
 
 def lr_at(step, peak, cfg, max_steps):
-    """The rate of step `step` (from 0): linear warmup, then cosine to min_lr_ratio * peak at step
-    --lr-decay-steps, flat after; or wsd: the peak, then a linear decay over the last
-    --lr-decay-steps (0: from max_steps)."""
+    """Step `step`'s rate (from 0): linear warmup, then cosine to min_lr_ratio * peak at step
+    --lr-decay-steps, flat after; or wsd: the peak, then linear over the last --lr-decay-steps."""
     t, floor = cfg.train, cfg.train.min_lr_ratio
     if step < t.warmup_steps:
         return peak * (step + 1) / t.warmup_steps
@@ -944,9 +948,8 @@ def micro_batches(data, step, cfg, plan, topo):
 
 
 def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
-    """One optimizer step over the micro-batches; each one's loss is divided by their number, so
-    the summed gradient is the mean loss's over the global batch. Returns (mean losses, global
-    gradient norm, whether skipped)."""
+    """One optimizer step; each micro-batch's loss is divided by their number, so the summed
+    gradient is the global batch's mean loss's. Returns (mean losses, global norm, skipped?)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
         new_graph_step(cfg)
