@@ -111,6 +111,7 @@ class FSDPConfig:
     reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
     buffer_dtype: str = opt("fp32", "dtype of buffers", ["bf16", "fp16", "fp32"])
     autocast: bool = opt(False, "fsdp, fsdp2: also run forward, loss under autocast(param_dtype)")
+    float8: str = opt("", "the blocks' matmuls in float8 (torchao)", ["", "tensorwise", "rowwise"])
 
 
 @dataclass
@@ -462,7 +463,20 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
+    if cfg.fsdp.float8:
+        to_float8(blocks, cfg.fsdp.float8)
     return strategy_of(cfg).wrap(model, units, blocks, cfg, topo, init_fn)
+
+
+def to_float8(blocks, recipe):
+    """--float8, before wrapping as torchtitan does: the blocks' Linear layers cast to float8 for
+    each matmul (sides multiples of 16), the head does not; checkpoints keep the weights' dtype."""
+    float8 = importlib.import_module("torchao.float8")
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    for b in blocks:
+        float8.convert_to_float8_training(
+            b, config=config,
+            module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
 
 
 def precision_context(cfg, device):
@@ -1051,8 +1065,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
-    if argv[:1] == ["--export"]:  # python train_fsdp.py --export RUN/checkpoints/step_N
-        return export_command(argv)
+    if argv[:1] == ["--export"] and len(argv) == 2:  # --export RUN/checkpoints/step_N alone
+        return export_checkpoint(argv[1])
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(
         argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
@@ -1156,10 +1170,8 @@ def should_save(step, cfg, last, stop):
 def should_evaluate(step, cfg, last, save, stop):
     """Every --eval-every steps and at the end; with --keep-best also before each save, whose
     checkpoint it ranks by this loss (not a stop's save: time is short then)."""
-    t = cfg.train
-    if last or (t.eval_every > 0 and step % t.eval_every == 0):
-        return True
-    return cfg.checkpoint.keep_best and save and stop == 0
+    periodic = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
+    return last or periodic or (cfg.checkpoint.keep_best and save and stop == 0)
 
 
 def set_lr(optimizer, lr):
@@ -1177,9 +1189,8 @@ def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
 
 
 def run(argv=None, **seams):
-    """The entry of `python train_fsdp.py` and of your model's script: main(argv, **seams), then
-    exit: 0 finished; 1 a run that cannot go on, 2 bad input (one line on stderr); 3 saved and
-    stopped by SIGTERM/SIGUSR1 (requeue me)."""
+    """The entry of `python train_fsdp.py` and of your script: main(argv, **seams), then exit 0
+    finished, 1 failed, 2 bad input (one line on stderr), 3 saved on SIGTERM/SIGUSR1: requeue me."""
     code, message = 0, None
     try:
         main(argv, **seams)
@@ -1198,9 +1209,8 @@ def run(argv=None, **seams):
 
 
 def leave(code):
-    """Exit without tearing down the interpreter: a gloo worker thread may still be releasing a
-    finished collective's tensors, and if it needs the GIL while Python finalises, a run that
-    succeeded aborts. All is closed by now."""
+    """All is closed: exit without interpreter teardown. A gloo worker thread may still be freeing a
+    finished collective's tensors; if it needs the GIL as Python finalises, a good run aborts."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -1836,12 +1846,6 @@ def require_checkpoint_dir(path, flag, valid):
     return path, check_checkpoint(path)
 
 
-def export_command(argv):
-    if len(argv) != 2:  # --export takes one checkpoint directory and nothing else
-        raise BadInput("usage: python train_fsdp.py --export CHECKPOINT_DIR")
-    return export_checkpoint(argv[1])
-
-
 def export_checkpoint(path):
     """A sharded checkpoint (or checkpoints/best or latest) -> the single-file model.pt beside it,
     in one process. Only the model's tensors are read: the optimizer's two fp32 copies never are."""
@@ -2055,8 +2059,6 @@ def start_in(run_dir, step, cfg):
 
 def keep_metric_lines(path, last_step):
     """Drop metric records after the step a run restarts from, so each step appears once."""
-    if not os.path.exists(path):
-        return
     keep = [line if line.endswith("\n") else line + "\n" for line, record in metric_records(path)
             if record.get("step", 0) <= last_step]
     write_text_atomic(path, "".join(keep))
@@ -2078,10 +2080,9 @@ def debug_env(run_dir):
     flight recorder (each rank's last 2000 collectives, dumped to RUN_DIR/flight_recorder/rank_<r> when
     one times out; docs/slurm.md). A value already in the environment (slurm_submit.sh's) wins."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
     dist.set_debug_level_from_env()
     prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
-    for name, value in {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    for name, value in {"NCCL_DEBUG": "INFO", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
                         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}.items():
         os.environ.setdefault(name, value)  # releases before the TORCH_FR_* names read the TORCH_NCCL_* ones
@@ -2165,10 +2166,9 @@ class RunLog:
             self.trackers.close()
 
     def close(self):
-        for fh in (self.jsonl, self.text):
-            if fh:
-                with contextlib.suppress(OSError):  # a failed write is in self.error already
-                    fh.close()
+        for fh in filter(None, (self.jsonl, self.text)):
+            with contextlib.suppress(OSError):  # a failed write is in self.error already
+                fh.close()
 
 
 class Meter:
@@ -2361,13 +2361,13 @@ def describe_strategy(cfg, one=False):
     what = "FSDP1" if off is FSDP2_IGNORED else "FSDP"
     notes = [f"with --strategy {t.strategy} these {what} settings have no effect: "
              f"{', '.join(ignored)}"] if ignored else []
+    dtypes = f"| dtypes param={f.param_dtype} reduce={f.reduce_dtype}"
     if t.strategy == "fsdp":
         if not f.use_orig_params and t.weight_decay > 0:
             notes.append("use_orig_params=False: FSDP flattens parameters, so weight decay "
                          "applies to all of them")
         return (f"strategy fsdp {f.sharding_strategy} wrap={f.auto_wrap} "
-                f"prefetch={f.backward_prefetch} | dtypes param={f.param_dtype} "
-                f"reduce={f.reduce_dtype} buffer={f.buffer_dtype}"), notes
+                f"prefetch={f.backward_prefetch} {dtypes} buffer={f.buffer_dtype}"), notes
     if t.strategy == "fsdp2":
         reshard, kept = fsdp2_reshards(f), ""
         if reshard:
@@ -2375,8 +2375,7 @@ def describe_strategy(cfg, one=False):
             kept = " except the root" + (" and last block" if last else "")
         return (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) "
                 f"wrap={f.auto_wrap}{' forward_prefetch' if f.forward_prefetch else ''}"
-                f"{' cpu_offload' if f.cpu_offload else ''} | dtypes param={f.param_dtype} "
-                f"reduce={f.reduce_dtype}"), notes
+                f"{' cpu_offload' if f.cpu_offload else ''} {dtypes}"), notes
     return (f"strategy {t.strategy} | autocast {f.param_dtype} (reduce/buffer dtypes apply to "
             "FSDP only)"), notes
 
@@ -2595,7 +2594,8 @@ def check_config(cfg):
     for flag, wanted, modules in (
             ("--tensorboard", t.tensorboard, ["trackers", "torch.utils.tensorboard"]),
             ("--wandb", t.wandb, ["trackers", "wandb"]),
-            ("--optimizer muon", t.optimizer == "muon", ["muon"])):
+            ("--optimizer muon", t.optimizer == "muon", ["muon"]),
+            ("--float8", cfg.fsdp.float8, ["torchao"])):
         for module in modules if wanted else []:
             try:
                 importlib.import_module(module)

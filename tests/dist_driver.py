@@ -106,8 +106,8 @@ class CommRecorder:
 
 def wrap_record(model):
     """FSDP units as [name, class of the sharded module], the types of the state dict's tensors,
-    FSDP2's forward-prefetch pairs [unit, the unit it prefetches] and the policies of its units
-    [name, offload policy class, param_dtype, reduce_dtype]."""
+    FSDP2's forward-prefetch pairs [unit, the unit it prefetches], the policies of its units
+    [name, offload policy class, param_dtype, reduce_dtype] and the names of the float8 Linear layers."""
     model = getattr(model, "_orig_mod", model)
     names = {m: train_fsdp.unwrapped_name(n + ".").rstrip(".") for n, m in model.named_modules()}
     units, prefetch, policies = [], [], []
@@ -123,7 +123,9 @@ def wrap_record(model):
             policies += [[name, type(g.offload_policy).__name__, str(g.mp_policy.param_dtype),
                           str(g.mp_policy.reduce_dtype)] for g in m._get_fsdp_state()._fsdp_param_groups]
     types = sorted({type(v).__name__ for v in get_model_state_dict(model).values()})
-    return {"units": units, "state_dict": types, "forward_prefetch": prefetch, "fsdp2_policies": policies}
+    float8 = [name for m, name in names.items() if type(m).__name__ == "Float8Linear"]
+    return {"units": units, "state_dict": types, "forward_prefetch": prefetch, "fsdp2_policies": policies,
+            "float8": float8}
 
 
 if __name__ == "__main__":

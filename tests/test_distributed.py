@@ -13,6 +13,7 @@ these runs (gradient norms 4-7) and AdamW is invariant to the gradient's scale, 
 equivalence tests also compare the logged (pre-clipping) gradient norm of every step.
 """
 import concurrent.futures
+import importlib.util
 import itertools
 import json
 import math
@@ -29,6 +30,7 @@ import script_runner  # noqa: E402
 
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
+import train_fsdp  # noqa: E402
 
 TINY = ["--arch", "baseline", "--n-layer", "2", "--d-model", "32", "--n-head", "2", "--max-steps", "5",
         "--global-batch", "8", "--log-every", "1", "--eval-every", "0", "--eval-samples", "16",
@@ -39,6 +41,9 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRI
 WRAPS = [["--auto-wrap", "module"], ["--auto-wrap", "lambda"], ["--auto-wrap", "size", "--min-num-params", "2000"]]
 FSDP2 = ["--strategy", "fsdp2"]
 FREE = ["--arch", "free", "--latent-bits", "4"]
+FLOAT8 = ["--float8", "tensorwise", "--global-batch", "4"]
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+NEEDS_TORCHAO = pytest.mark.skipif(not HAS_TORCHAO, reason="pip install torchao (.ci/run does)")
 VAL_ROWS = 11  # validation rows of the val11 runs: 2 ranks x micro 4 leave rank 1 none in the last chunk
 
 
@@ -209,6 +214,10 @@ def two(tmp_path_factory):
         "fsdp2_ignored": FSDP2 + ["--backward-prefetch", "NONE", "--no-limit-all-gathers", "--buffer-dtype", "bf16",
                                   "--sync-module-states", "--no-use-orig-params"],
     })
+    if HAS_TORCHAO:  # --float8 on a smaller batch: the CPU's float8 matmul is a slow reference kernel
+        runs.update({"fsdp_float8": FLOAT8, "fsdp2_float8": FSDP2 + FLOAT8,
+                     "ddp_float8": ["--strategy", "ddp"] + FLOAT8,
+                     "ddp_gb4": ["--strategy", "ddp", "--global-batch", "4"]})
     return launch(tmp, 2, runs, "two", record=True)
 
 
@@ -601,3 +610,46 @@ def test_hybrid_with_one_process_per_group_is_ddp(two):
         assert json.load(fh)["train"]["strategy"] == "ddp"
     assert "strategy ddp" in log_of(two["fsdp2_hybrid1"])
     assert comms(two["fsdp2_hybrid1"])[0].get("ddp_bucket_all_reduce", 0) > 0
+
+
+@NEEDS_TORCHAO
+def test_float8_trains_alike_under_every_strategy(two):
+    """--float8 tensorwise scales each tensor by its own amax, and FSDP gathers the weights before the cast:
+    FSDP1, FSDP2 and DDP cast the same tensors and give the same losses. The matmuls really ran in
+    float8: the losses are close to fp32's, not equal."""
+    ref = two["ddp_float8"]
+    for name in ("fsdp_float8", "fsdp2_float8"):
+        assert_same_run(two[name], ref)
+    fp32 = two["ddp_gb4"][0]
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(ref[0], fp32)) and ref[0] != fp32
+
+
+def latest_checkpoint(run):
+    root = os.path.join(run[2], "checkpoints")
+    with open(os.path.join(root, "latest")) as fh:
+        return os.path.join(root, fh.read().strip())
+
+
+@NEEDS_TORCHAO
+def test_float8_converts_the_blocks_and_keeps_the_checkpoint_layout(two):
+    """Only the blocks' Linear layers whose sides are multiples of 16 compute in float8, the head
+    never. The checkpoints hold what any run's hold: the same names, shapes and dtypes in dcp/ and
+    in model.pt, which loads into the plain model."""
+    def layout(run):
+        ckpt = latest_checkpoint(run)
+        meta = train_fsdp.read_dcp_metadata(os.path.join(ckpt, "dcp")).state_dict_metadata
+        sharded = {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
+        full = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+        return sharded, {k: (tuple(v.shape), v.dtype) for k, v in full["model"].items()}, full
+    ref_sharded, ref_full, full = layout(two["ddp_gb4"])
+    model = model_lib.build_model(model_lib.ModelConfig(**full["config"]["model"]))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = sorted(n for n, m in linears.items() if n.startswith("blocks.")
+                      and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    assert expected and "lm_head" in linears
+    assert wrap_info(two["ddp_gb4"])["float8"] == []
+    for name in ("fsdp_float8", "fsdp2_float8", "ddp_float8"):
+        assert sorted(wrap_info(two[name])["float8"]) == expected, name
+        sharded, full_layout, full = layout(two[name])
+        assert sharded == ref_sharded and full_layout == ref_full, name
+        model.load_state_dict(full["model"])
