@@ -1218,7 +1218,7 @@ def leave(code):
 
 # =============================================================================================
 # Reference: --meta-init. The model is built on the meta device; each module's tensors are allocated
-# and initialised once wrapped, by its reset_parameters() and the model's init_module, in init_order.
+# and initialised once wrapped, by reset_parameters() and the model's init_module, in init_order.
 
 
 def init_order(model, units):
@@ -1418,7 +1418,7 @@ class Checkpointer:
 
 
 def write_checkpoint(tmp, meta, model, optimizer, c, topo, consolidate=False):
-    """This rank's part of a synchronous save into `tmp`; consolidate: also model.pt beside the shards."""
+    """This rank's part of a synchronous save in `tmp`; consolidate: also model.pt beside shards."""
     if meta["type"] == "sharded":
         opts = state_dict_options("sharded save", topo.device, meta)
         dcp.save(sharded_state(model, optimizer, opts), checkpoint_id=os.path.join(tmp, "dcp"))
@@ -1445,15 +1445,15 @@ def fresh_dir(path):
 def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None, digests=None):
     """meta.json but the file sizes. val_loss: this very step's validation loss (--keep-best);
     digests: the data's (BatchSource), which a resume compares."""
-    return {"step": step, "tokens_seen": tokens_seen, "type": cfg.checkpoint.checkpoint_type, "world_size": world,
-            "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "scaler": scaler.state_dict() if scaler else None, "val_loss": val_loss, "data": digests}
+    return dict(step=step, tokens_seen=tokens_seen, type=cfg.checkpoint.checkpoint_type,
+                world_size=world, config=dataclasses.asdict(cfg), tokenizer=tokenizer,
+                scaler=scaler.state_dict() if scaler else None, val_loss=val_loss, data=digests)
 
 
 def consolidated_payload(state, meta):
-    """The single-file format: torch.load(path, weights_only=True)["model"] loads into an unwrapped model."""
-    return {"model": state, "config": meta["config"], "step": meta["step"], "tokens_seen": meta["tokens_seen"],
-            "tokenizer": meta["tokenizer"]}
+    """One file: torch.load(path, weights_only=True)["model"] loads into an unwrapped model."""
+    return {"model": state, "config": meta["config"], "step": meta["step"],
+            "tokens_seen": meta["tokens_seen"], "tokenizer": meta["tokenizer"]}
 
 
 def fsync_path(path):
@@ -1473,7 +1473,7 @@ def write_text_atomic(path, text):
 
 
 def sharded_state(model, optimizer, options=None):
-    """dcp/ of a sharded checkpoint: model and optimizer state dicts (each rank its shards under FSDP; collectives)."""
+    """dcp/: the model and optimizer state dicts (under FSDP each rank its shards; collectives)."""
     return {"model": get_model_state_dict(model, options=options),
             "optim": get_optimizer_state_dict(model, optimizer, options=options)}
 
@@ -1501,8 +1501,8 @@ def set_rng_state(state):
 
 
 def error_text(e, rank, path=None):
-    """`rank R: Type: message`. DCP's CheckpointException only names the failing ranks: the cause is the first one's own
-    error. A torch.save out of space says "unexpected pos": the full file system of `path` is then named."""
+    """`rank R: Type: message`. DCP's CheckpointException only names failed ranks: the first's error
+    is the cause. Out of space, torch.save says "unexpected pos": `path`'s full disk is named."""
     if isinstance(e, CheckpointException) and e.failures:
         rank, (e, _) = next(iter(e.failures.items()))
     text = f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
@@ -1514,22 +1514,22 @@ def error_text(e, rank, path=None):
 
 def save_failed(meta):
     """The exception of a failed save, given its error line."""
-    return lambda error: RunFailed(f"saving the checkpoint of step {meta['step']} failed ({error.splitlines()[0]}); "
-                                   "the previous checkpoint is intact")
+    return lambda error: RunFailed(f"saving the checkpoint of step {meta['step']} failed "
+                                   f"({error.splitlines()[0]}); the previous checkpoint is intact")
 
 
 def publish_checkpoint(path, meta, keep, keep_best=False):
-    """Rank 0, once every rank has written into the staging directory; keeps the newest `keep` and the best."""
+    """Rank 0, once all ranks wrote the staging directory; keeps the newest `keep`, and the best."""
     tmp, root, name = staging_path(path), os.path.dirname(path), os.path.basename(path)
     files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
              for d, _, fs in os.walk(tmp) for f in fs}
-    write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps({**meta, "files": files}, indent=1))
+    write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(dict(meta, files=files), indent=1))
     shutil.rmtree(path + ".old", ignore_errors=True)  # left by a save killed mid-swap
     if os.path.exists(path):  # the same step saved again (after a resume): swap, then delete
         os.replace(path, path + ".old")
     os.replace(tmp, path)
     fsync_path(root)
-    write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete checkpoint
+    write_text_atomic(os.path.join(root, "latest"), name + "\n")  # last: it names a complete one
     shutil.rmtree(path + ".old", ignore_errors=True)
     best = mark_best(root, keep_best)
     for old in complete_checkpoints(root)[keep:]:
@@ -1538,8 +1538,8 @@ def publish_checkpoint(path, meta, keep, keep_best=False):
 
 
 def mark_best(root, keep_best):
-    """checkpoints/best names the complete checkpoint of lowest validation loss (ties: the earlier
-    step); a damaged one gives way, said. Removed without --keep-best or a candidate. Returns its name."""
+    """checkpoints/best names the complete checkpoint of lowest val_loss (ties: the earlier step); a
+    damaged one gives way, said. Removed without --keep-best or a candidate. Returns its name."""
     marker = os.path.join(root, "best")
     previous = os.path.basename(follow_marker(marker)) if os.path.isfile(marker) else None
     scored = []
@@ -1563,7 +1563,7 @@ def mark_best(root, keep_best):
 
 
 def follow_marker(path):
-    """checkpoints/latest or best (a file naming a checkpoint) -> that checkpoint's directory; any other path as is."""
+    """The checkpoint directory that checkpoints/latest or best names; any other path as is."""
     if os.path.basename(path.rstrip("/")) in ("latest", "best") and os.path.isfile(path):
         with open(path) as fh:
             return os.path.join(os.path.dirname(path), fh.read().strip())
@@ -1604,7 +1604,7 @@ def find_resume_checkpoint(run_dir, notes, skip=()):
     with contextlib.suppress(OSError), open(os.path.join(root, "latest")) as fh:
         latest = fh.read().strip()
         names = [latest] + [n for n in names if n != latest]
-    for path in [os.path.join(root, name) for name in names if os.path.join(root, name) not in skip]:
+    for path in [os.path.join(root, n) for n in names if os.path.join(root, n) not in skip]:
         try:
             return path, check_checkpoint(path)
         except RunFailed as e:
@@ -1625,16 +1625,15 @@ DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")} | {
     ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
-
 # What an RNG file of releases before this layout holds besides tensors: numpy's array, rebuilt by
 # its _reconstruct (named numpy._core... by numpy 2, numpy.core... by numpy 1).
 NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))] + [
-    (np.ndarray(0).__reduce__()[0], f"numpy.{core}.multiarray._reconstruct") for core in ("_core", "core")]
+    (np.empty(0).__reduce__()[0], f"numpy.{c}.multiarray._reconstruct") for c in ("_core", "core")]
 
 
 def refusal(path, name):
-    return (f"refused to load {path}: it asks for {name}, which no checkpoint holds (a pickle that can run "
-            "code); nothing in it was run")
+    return (f"refused to load {path}: it asks for {name}, which no checkpoint holds (a pickle that "
+            "can run code); nothing in it was run")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -1805,11 +1804,11 @@ def check_init_from_shapes(cfg, model, topo):
 def check_init_from(path, shapes):
     """--init-from's checkpoint must hold every parameter of the model (`shapes`, by name) with its
     shape; mismatches are reported by name, before anything is written."""
-    kind, where = checkpoint_weights(path)
+    kind, src = checkpoint_weights(path)
     if kind == "full":
-        theirs = {k: tuple(v.shape) for k, v in load_weights_only(where, mmap=True)["model"].items()}
+        theirs = {k: tuple(v.shape) for k, v in load_weights_only(src, mmap=True)["model"].items()}
     else:
-        metadata = read_dcp_metadata(where).state_dict_metadata
+        metadata = read_dcp_metadata(src).state_dict_metadata
         theirs = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
                   if k.startswith("model.") and hasattr(m, "size")}
     problems = [f"{n}: checkpoint {theirs[n]} vs model {s}" for n, s in shapes.items()
@@ -1832,15 +1831,15 @@ def init_weights_from(path, model):
 
 
 def require_checkpoint_dir(path, flag, valid):
-    """(path, meta) of a checkpoint directory (latest and best followed); BadInput if `path` is none."""
+    """(path, meta) of a checkpoint directory (latest and best followed), else BadInput."""
     path = follow_marker(path)
     if not os.path.exists(path):
         raise BadInput(f"{flag} {path}: no such directory; valid: {valid}")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         found = complete_checkpoints(os.path.join(path, "checkpoints"))
         example = os.path.join(path, "checkpoints", found[0] if found else "step_N")
-        raise BadInput(f"{flag} {path} is a run directory, not a checkpoint directory (no meta.json); give one "
-                       f"of its checkpoints, e.g. {example}")
+        raise BadInput(f"{flag} {path} is a run directory, not a checkpoint directory "
+                       f"(no meta.json); give one of its checkpoints, e.g. {example}")
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise BadInput(f"{flag} {path}: not a checkpoint directory (no meta.json); valid: {valid}")
     return path, check_checkpoint(path)
@@ -1874,15 +1873,15 @@ def export_checkpoint(path):
 
 
 # =============================================================================================
-# Reference: the run directory (config.json, metrics.jsonl, training_log.txt, run.lock, checkpoints/)
+# Reference: run directory (config.json, metrics.jsonl, training_log.txt, run.lock, checkpoints/)
 
 RUN_LOCK = "run.lock"  # locked by rank 0 while a run writes in the directory, naming its process
 STOPPED_FILE = "stopped.json"  # after an exit with code 3; removed at the next start
 # A resume may not change what the run computes: these training settings, and every field of the
-# seams' sections but those their dataclass lists in RESUME_FREE. Other changes are allowed and said.
-RESUME_FIXED = {"fsdp": set(), "checkpoint": set(),
-                "train": {"seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
-                          "weight_decay", "beta1", "beta2", "grad_clip", "optimizer", "muon_lr"}}
+# seams' sections not listed in their dataclass's RESUME_FREE. Other changes are allowed and said.
+RESUME_FIXED = {"fsdp": set(), "checkpoint": set(), "train": {
+    "seed", "global_batch", "lr", "min_lr_ratio", "warmup_steps", "lr_scale_base_batch",
+    "weight_decay", "beta1", "beta2", "grad_clip", "optimizer", "muon_lr"}}
 
 
 def name_run_dir(cfg, model):
@@ -1895,8 +1894,8 @@ def name_run_dir(cfg, model):
 
 def prepare_run_dir(cfg, rank, digests=None):
     """Rank 0 locks the run directory and decides where the run starts (choose_start); every rank
-    learns it. Returns (checkpoint to resume or None, notes to log, the lock on rank 0). A refused
-    launch leaves the directory as it was: only the lock (and the flight recorder's directory) before start_in."""
+    learns it. Returns (checkpoint to resume or None, notes, rank 0's lock). A refused launch leaves
+    the directory as it was: only the lock (and the flight recorder's directory) before start_in."""
     run_dir, held = cfg.train.out_dir, [None]
 
     def decide():
@@ -1918,7 +1917,7 @@ def prepare_run_dir(cfg, rank, digests=None):
             held[0].truncate(0)
             held[0].write(f"host {socket.gethostname()} pid {os.getpid()}\n")
             held[0].flush()
-        if flight_recorder_dumps():  # its dumps need their directory, before the first collective of a resume
+        if flight_recorder_dumps():  # dumps need their directory before a resume's first collective
             os.makedirs(os.path.dirname(flight_recorder_dumps()), exist_ok=True)
         return resume, notes + more, cfg.train.lr_decay_steps
     resume, notes, cfg.train.lr_decay_steps = rank0_does(decide, rank)
@@ -1984,8 +1983,8 @@ def read_saved_config(config_path, run_dir):
         with open(config_path) as fh:
             return json.load(fh)
     except ValueError:
-        raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; choose "
-                       "another directory or pass --overwrite")
+        raise BadInput(f"--out-dir {run_dir} already holds a run whose config.json cannot be read; "
+                       "choose another directory or pass --overwrite")
 
 
 def resume_changes(cfg, old, meta, digests, resume):
@@ -2065,7 +2064,7 @@ def keep_metric_lines(path, last_step):
 
 
 def metric_records(path):
-    """(line, record) for each line of metrics.jsonl, if there is one; a line torn by a crash mid-write is skipped."""
+    """(line, record) per line of metrics.jsonl, if any; skips a line torn by a crash mid-write."""
     with contextlib.suppress(FileNotFoundError), open(path) as fh:
         for line in fh:
             try:
@@ -2089,7 +2088,7 @@ def debug_env(run_dir):
 
 
 def flight_recorder_dumps():
-    """The path prefix of the flight recorder's dumps when it is on (--debug or slurm_submit.sh), else None."""
+    """The flight recorder's dump path prefix when on (--debug or slurm_submit.sh), else None."""
     on = os.environ.get("TORCH_FR_BUFFER_SIZE", "0") not in ("", "0")
     return (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or None) if on else None
 
@@ -2172,7 +2171,7 @@ class RunLog:
 
 
 class Meter:
-    """Throughput, MFU and memory over the steps since the last record, evaluation and saves kept out."""
+    """Throughput, MFU, memory over the steps since the last record (evaluation, saves kept out)."""
 
     def __init__(self, topo, plan, flops_per_token):
         self.topo, self.plan, self.flops_per_token = topo, plan, flops_per_token
@@ -2216,13 +2215,13 @@ class Meter:
 
 
 class StartClock:
-    """Where the start-up goes: seconds per phase, said with the first step (mostly compile under --compile)."""
+    """Start-up seconds per phase, said with the first step (mostly compile under --compile)."""
 
     def __init__(self):
         self.t, self.phases = time.perf_counter(), []
 
     def lap(self, phase, sync=None):
-        """Ends `phase`; returns the line of every phase so far. sync: a device tensor to wait for."""
+        """Ends `phase`, returns a line of all phases so far. sync: a device tensor to wait for."""
         if sync is not None:
             sync.item()
         now = time.perf_counter()
@@ -2232,17 +2231,17 @@ class StartClock:
 
 
 def keep_compile_cache(cfg):
-    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run, a resume and a
-    requeue to another node find them (another torch's, card's or model's entries are only missed). Made here, before
-    the run directory: a path that cannot be made is one line, not a traceback at the first compile."""
+    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run, a
+    resume and a requeue to another node find them (a torch, card or model change just misses).
+    Made before the run directory: a bad path is one line, not a traceback at the first compile."""
     if cfg.train.compile:
         beside = os.path.join(os.path.dirname(os.path.abspath(cfg.train.out_dir)), ".compile_cache")
         cache = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
         try:
             os.makedirs(cache, exist_ok=True)
         except OSError as e:
-            raise BadInput(f"compile cache {cache}: {e.strerror}; give --compile-cache a directory this process "
-                           "can create and write") from None
+            raise BadInput(f"compile cache {cache}: {e.strerror}; give --compile-cache a directory "
+                           "this process can create and write") from None
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
 
 
@@ -2251,8 +2250,8 @@ def compile_cache_note(cfg):
     if not cfg.train.compile:
         return ""
     n = torch._dynamo.utils.counters["inductor"]
-    return (f" | compile cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}: {n['fxgraph_cache_hit']} graphs reused, "
-            f"{n['fxgraph_cache_miss']} compiled")
+    return (f" | compile cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}: "
+            f"{n['fxgraph_cache_hit']} graphs reused, {n['fxgraph_cache_miss']} compiled")
 
 
 def memory_stats(device):
@@ -2611,11 +2610,11 @@ def check_ranges(cfg):
     """Every number outside its field's valid range, reported by its flag; every float finite."""
     for sec in sections(cfg).values():
         for f in dataclasses.fields(sec):
-            value, valid = getattr(sec, f.name), f.metadata.get("valid", "")
-            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", nan nothing
-                raise BadInput(f"{flag_name(f.name)} {value}: must be a finite number {valid}".rstrip())
-            if valid and not in_range(value, valid):
-                raise BadInput(f"{flag_name(f.name)} {value}: must be {valid}")
+            flag, value, rule = flag_name(f.name), getattr(sec, f.name), f.metadata.get("valid", "")
+            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", nan fails
+                raise BadInput(f"{flag} {value}: must be a finite number {rule}".rstrip())
+            if rule and not in_range(value, rule):
+                raise BadInput(f"{flag} {value}: must be {rule}")
 
 
 def in_range(value, valid):
@@ -2628,7 +2627,7 @@ def in_range(value, valid):
 
 
 def seam_hooks(cfg, name, *args):
-    """Call the hook `name` (check, resolve) of every section that has one; its ValueError is bad input."""
+    """Call each section's hook `name` (check, resolve), if any; its ValueError is bad input."""
     for sec in sections(cfg).values():
         if hasattr(sec, name):
             try:
@@ -2673,26 +2672,26 @@ def check_strategy(cfg, topo=None):
 
 def check_world(cfg, topo):
     """The checks that need the world size and the device: global batch = micro x world x accum."""
-    t, world = cfg.train, topo.world
+    batch, world = cfg.train.global_batch, topo.world
     check_strategy(cfg, topo)
-    if t.global_batch < world:
-        raise BadInput(f"--global-batch {t.global_batch} is smaller than the world size {world}; every process "
-                       "needs at least one sequence per step")
-    micro = t.micro_batch or t.global_batch // world
-    if t.global_batch % (micro * world):
-        raise BadInput(f"--global-batch {t.global_batch} is not divisible by micro-batch {micro} x world size "
-                       f"{world}; choose a global batch that is a multiple of {micro * world}")
+    if batch < world:
+        raise BadInput(f"--global-batch {batch} is smaller than the world size {world}; "
+                       "every process needs at least one sequence per step")
+    micro = cfg.train.micro_batch or batch // world
+    if batch % (micro * world):
+        raise BadInput(f"--global-batch {batch} is not divisible by micro-batch {micro} x world "
+                       f"size {world}; choose a global batch that is a multiple of {micro * world}")
 
 
 def resolve_config(cfg, topo, data):
-    """Fill in what the settings leave open once the world and the data are known: the strategy's
-    needs, the run's length, the seams' derived fields (resolve(data)). The config is then only read."""
+    """Fill in what the settings leave open once the world and data are known: the strategy's needs,
+    the run's length, the seams' derived fields (resolve(data)). The config is then only read."""
     strategy_of(cfg).resolve(cfg, topo)  # may hand over to another strategy
     t = cfg.train
     t.max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     if t.lr_schedule == "wsd" and t.lr_decay_steps + t.warmup_steps > t.max_steps:
-        raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the wsd decay and --warmup-steps {t.warmup_steps} "
-                       f"do not fit in the run's {t.max_steps} steps")
+        raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the wsd decay and --warmup-steps "
+                       f"{t.warmup_steps} do not fit in the run's {t.max_steps} steps")
     seam_hooks(cfg, "resolve", data)
 
 
