@@ -463,20 +463,21 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
     units = shard_units(model, wrap_classes, cfg)
-    if cfg.fsdp.float8:
-        to_float8(blocks, cfg.fsdp.float8)
+    if cfg.fsdp.float8 and not to_float8(blocks, cfg.fsdp.float8):
+        raise BadInput("--float8 needs Linear layers in the blocks with sides multiples of 16")
     return strategy_of(cfg).wrap(model, units, blocks, cfg, topo, init_fn)
 
 
 def to_float8(blocks, recipe):
     """--float8, before wrapping as torchtitan does: the blocks' Linear layers cast to float8 for
-    each matmul (sides multiples of 16), the head does not; checkpoints keep the weights' dtype."""
+    each matmul (sides multiples of 16), the head does not. Returns how many were converted."""
     float8 = importlib.import_module("torchao.float8")
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     for b in blocks:
         float8.convert_to_float8_training(
             b, config=config,
             module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    return sum(type(m).__name__ == "Float8Linear" for b in blocks for m in b.modules())
 
 
 def precision_context(cfg, device):

@@ -34,3 +34,14 @@ def test_a_float8_run_resumes_without_float8(tmp_path):
     with open(os.path.join(run, "training_log.txt")) as fh:
         log = fh.read()
     assert "resumed from" in log and "changed on resume: fsdp.float8: 'rowwise' -> ''" in log, log
+
+
+def test_float8_with_nothing_to_convert_is_bad_input(tmp_path):
+    """A model whose blocks hold no Linear layer with sides that are multiples of 16 (d_model 24)
+    would silently train in bf16: refused in one line, nothing written."""
+    pytest.importorskip("torchao", reason="pip install torchao (.ci/run does)")
+    with pytest.raises(train_fsdp.BadInput) as e:
+        train_fsdp.main(FLOAT8 + ["--d-model", "24", "--float8", "tensorwise", "--out-dir", str(tmp_path / "run"),
+                                  "--cache-dir", str(tmp_path / "cache")])
+    assert str(e.value) == "--float8 needs Linear layers in the blocks with sides multiples of 16"
+    assert not (tmp_path / "run").exists()
