@@ -303,8 +303,7 @@ class BatchSource(typing.Protocol):
 
 
 def load_dataset(cfg, rank) -> BatchSource:
-    """Rank 0 tokenises and caches (with every core of its node); everyone then opens the cache
-    read-only. Bad settings: BadInput."""
+    """Rank 0 builds the token cache on every core of its node; all ranks then open it read-only."""
     data_lib = project_module("data")
     rank0_does(lambda: data_lib.prepare_data(cfg.data), rank, what="building the token cache")
     try:
@@ -322,13 +321,12 @@ class Topology:
     """Where this process sits among the others; set up once, then only read."""
 
     rank: int
-    local_rank: int  # on this node: picks the GPU
     world: int  # processes in all
     local_world: int  # processes on this node
     device: torch.device
     backend: str  # nccl or gloo
     owner: bool = True  # this process created the process group (a test driver may have)
-    control: object = None  # the group of control messages (stop flags, errors): gloo, on the CPU
+    control: object = None  # control messages (stop flags, errors): gloo, never waiting on a GPU
     mesh: object = None  # the device mesh, where the strategy uses one (device_mesh)
 
 
@@ -373,12 +371,11 @@ def setup_distributed(cfg):
                                 device_id=device if backend == "nccl" and world > 1 else None)
     if rank == 0 and backend == "gloo" and owner:
         print("no CUDA device: running on CPU with the gloo backend")
-    # Control messages (stop flags, errors) go through gloo on the CPU: never waiting for the GPU.
     control = dist.group.WORLD
     if backend == "nccl":
         control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Topology(rank=rank, local_rank=local_rank, world=world, local_world=local_world,
-                    device=device, backend=backend, owner=owner, control=control)
+    return Topology(rank=rank, world=world, local_world=local_world, device=device,
+                    backend=backend, owner=owner, control=control)
 
 
 def group_backends(cfg, backend):
@@ -542,8 +539,6 @@ def shard_units(model, wrap_classes, cfg):
     def visit(m):
         for child in m.children():
             visit(child)
-        if m is model:
-            return
         if f.auto_wrap == "size":  # as FSDP1's size policy: never a ModuleList / ModuleDict
             free = sum(p.numel() for p in m.parameters() if p not in taken)
             lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -554,7 +549,8 @@ def shard_units(model, wrap_classes, cfg):
         if chosen and all(h in inside for p in m.parameters() for h in holders[p]):
             units.append(m)
             taken.update(m.parameters())
-    visit(model)
+    for child in model.children():  # not the root: its own unit, made last, holds the rest
+        visit(child)
     return units
 
 
@@ -582,8 +578,7 @@ def checkpoint_blocks(blocks, f):
 
 def compile_in_place(model, blocks, cfg, whole):
     """--compile leaving the module tree as it is (the wrap rules find the block classes, the
-    state-dict names stay): each block's forward under compiles_blocks, else, if `whole`, the
-    model's. Before checkpoint_blocks: a checkpoint then recomputes the compiled forward."""
+    state-dict names stay). Before checkpoint_blocks: a recompute then runs the compiled forward."""
     n = parameter_count(model)
     if cfg.train.compile and compiles_blocks(cfg, n):
         for b in blocks:
@@ -611,9 +606,8 @@ def compile_mode(cfg, n_params):
 def recomputes_compiled_blocks(cfg):
     """Checkpointed blocks compiled in place (compile_in_place under --compile-scope blocks) rerun
     their compiled forward in backward: CUDA graphs cannot record that."""
-    t, in_place = cfg.train, not strategy_of(cfg).compiles_units
-    blocks = t.compile and t.compile_scope == "blocks"
-    return cfg.fsdp.activation_checkpointing and blocks and in_place
+    blocks = cfg.train.compile and cfg.train.compile_scope == "blocks"
+    return cfg.fsdp.activation_checkpointing and blocks and not strategy_of(cfg).compiles_units
 
 
 def clip_norm(model, limit):
@@ -674,13 +668,12 @@ def wrap_fsdp1(model, units, blocks, cfg, topo, init_fn):
     f = cfg.fsdp
     compile_in_place(model, blocks, cfg, whole=True)
     checkpoint_blocks(blocks, f)
-    chosen = set(units)
     precision = MixedPrecision(param_dtype=DTYPES[f.param_dtype],
                                reduce_dtype=DTYPES[f.reduce_dtype],
                                buffer_dtype=DTYPES[f.buffer_dtype])
     prefetch = None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch]
     return FSDP(model, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy,
-                                                          lambda_fn=lambda m: m in chosen),
+                                                          lambda_fn=lambda m: m in units),
                 sharding_strategy=ShardingStrategy[f.sharding_strategy], mixed_precision=precision,
                 backward_prefetch=prefetch, forward_prefetch=f.forward_prefetch,
                 limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
@@ -710,8 +703,7 @@ STRATEGIES["fsdp"] = Strategy(
     wrap=wrap_fsdp1, resolve=resolve_fsdp1, no_sync=lambda model: model.no_sync(),
     # its own clip_grad_norm_ and scaler: torch.nn.utils' and amp's would see this rank's shard
     clip=lambda model, limit: model.clip_grad_norm_(limit), scaler=ShardedGradScaler,
-    # Its sharded state dict makes new GPU copies of the shards: sent to the host as made, or a
-    # model at the memory limit would die at its first save (state_dict_options).
+    # Its sharded state dict copies shards on the GPU: to the host as made, or a save could OOM.
     shards=True, copies_shards=True)
 
 
@@ -744,8 +736,7 @@ def wrap_fsdp2(model, units, blocks, cfg, topo, init_fn):
     sharded = [outer.get(u, u) for u in units]
     last = outer.get(blocks[-1]) if blocks else None
     for m in sharded:
-        # The last block and the root run first in backward: resharding them would only gather
-        # them again at once.
+        # The last block and the root run first in backward, so they stay gathered after forward.
         fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=mp, **kw)
     root_mp = dataclasses.replace(mp, cast_forward_inputs=True)
     fully_shard(model, reshard_after_forward=False, mp_policy=root_mp, **kw)
@@ -796,7 +787,6 @@ def resolve_fsdp2(cfg, topo):
     if replicates_only(cfg, topo):
         return
     if topo.world == 1 and fsdp2_reshards(f) and not f.cpu_offload:
-        # One process holds every shard: resharding would only gather them again in backward.
         say(topo, f"--strategy fsdp2 with 1 process: {f.sharding_strategy} would reshard only to "
             "gather again in backward; using SHARD_GRAD_OP")
         f.sharding_strategy = "SHARD_GRAD_OP"
@@ -840,10 +830,8 @@ STRATEGIES["ddp"] = Strategy(
     wrap=functools.partial(wrap_whole, ddp=True), resolve=accumulate_with_no_sync,
     no_sync=lambda model: model.no_sync(), clip=clip_norm, scaler=torch.amp.GradScaler)
 
-STRATEGIES["none"] = Strategy(
-    wrap=wrap_whole, resolve=accumulate_with_no_sync,
-    no_sync=lambda model: contextlib.nullcontext(),  # one process: nothing to reduce
-    clip=clip_norm, scaler=torch.amp.GradScaler)
+STRATEGIES["none"] = dataclasses.replace(  # DDP's, without DDP: one process, nothing to reduce
+    STRATEGIES["ddp"], wrap=wrap_whole, no_sync=lambda model: contextlib.nullcontext())
 
 
 # =============================================================================================
@@ -898,9 +886,8 @@ def hidden_matrices(model, wrap_classes):
 
 
 def build_optimizer(model, cfg, lr, device, about):
-    """AdamW, decaying the parameters in about["decay_names"]; under --optimizer muon the hidden
-    matrices (about["hidden"]) take Muon. Under --no-use-orig-params FSDP1 flattens each unit into
-    one FlatParameter, so decay goes to all."""
+    """AdamW, decaying about["decay_names"]; Muon on the hidden matrices (about["hidden"]) under
+    --optimizer muon. FSDP1's --no-use-orig-params makes a unit one FlatParameter: all decay."""
     t, decay_names = cfg.train, about["decay_names"]
     named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     hidden = about["hidden"] if t.optimizer == "muon" else ()
@@ -911,8 +898,7 @@ def build_optimizer(model, cfg, lr, device, about):
         groups = [{"params": [p for n, p in adam if n in decay_names],
                    "weight_decay": t.weight_decay},
                   {"params": [p for n, p in adam if n not in decay_names], "weight_decay": 0.0}]
-    # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf: fp16
-    # takes foreach.
+    # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf (fp16).
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
     kind = importlib.import_module("muon").Muon if hidden else torch.optim.AdamW  # muon.py
     optimizer = kind(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
@@ -1028,9 +1014,8 @@ def all_reduce_scalars(values, device, op=dist.ReduceOp.SUM):
 
 
 class NonFinite:
-    """The first step whose loss (or gradient norm) is not finite, kept on the device (no sync a
-    step), checked on every rank (a collective) at log steps and before every save. Under fp16
-    the scaler owns gradients."""
+    """The first step whose loss (or gradient norm, unless fp16's scaler owns it) is not finite:
+    kept on the device (no sync a step), checked by a collective at log steps and before saves."""
 
     NEVER = 2 ** 62
 
@@ -1049,10 +1034,9 @@ class NonFinite:
         self.first = torch.where(~finite & (self.first == self.NEVER), step, self.first)
 
     def check(self):
-        worst = self.first.clone()
-        dist.all_reduce(worst, op=dist.ReduceOp.MIN)
-        if worst.item() != self.NEVER:
-            raise RunFailed(f"the loss or its gradient became NaN/inf at step {worst.item()}; "
+        dist.all_reduce(self.first, op=dist.ReduceOp.MIN)  # in place: any change is raised below
+        if self.first.item() != self.NEVER:
+            raise RunFailed(f"the loss or its gradient became NaN/inf at step {self.first.item()}; "
                             "stopped without saving that state (the latest checkpoint is still the "
                             "last good one); lower --lr or pass --skip-nonfinite")
 
@@ -1201,8 +1185,7 @@ def run(argv=None, **seams):
         code, message = EXIT_PREEMPTED, str(e)
     # Before the process group exists the ranks have not agreed on the error: each says its own
     # (under torchrun the first rank to exit has the others killed, rank 0 perhaps before it spoke).
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # no group yet, maybe
-    if message and (rank == 0 or not dist.is_initialized()):
+    if message and (not dist.is_initialized() or dist.get_rank() == 0):
         sys.stderr.write(message + "\n")  # one write: under torchrun the ranks' lines share a pipe
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1239,8 +1222,8 @@ def init_order(model, units):
 
 
 def meta_init_fn(model, init_fn, device):
-    """FSDP1, DDP and one device: a function allocating one module's meta tensors on `device` and initialising them. A
-    parameter modules share (tied embedding and head) is allocated once: to_empty per module would untie it."""
+    """FSDP1, DDP and one device: a function allocating one module's meta tensors on `device` and
+    initialising them; a parameter modules share (a tied embedding) is allocated once, kept tied."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     holders = collections.Counter(p for m in model.modules() for p in m.parameters(recurse=False))
     shared = {}  # meta parameter -> its allocation, until every holder has it
@@ -1283,10 +1266,10 @@ def init_tensors(module, name, fresh, init_fn):
 
 @torch.no_grad()
 def init_weights(model, order, init_fn):
-    """FSDP2, after to_empty: initialise each module in `order`. A sharded parameter is initialised in full, each rank
-    keeping its shard, so the weights do not depend on the world size; one parameter at a time is held in full."""
+    """FSDP2, after to_empty: initialise each module in `order`, its sharded parameters in full (so
+    the weights do not depend on the world size), each rank keeping its shard."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
-    done = set()  # a parameter shared by modules (a tied embedding and head) is initialised at its first holder
+    done = set()  # a shared parameter (tied embedding and head) is initialised by its first holder
     for m in order:
         own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor) and p not in done}
         done.update(own.values())
@@ -1304,8 +1287,7 @@ def init_weights(model, order, init_fn):
 
 
 def meta_init_module(model, cfg):
-    """The model's init_module for --meta-init: a model whose own __init__ initialises weights would lose that on the
-    meta device, so one without it is refused (init_module = None: its modules' reset_parameters() suffice)."""
+    """The model's init_module, which --meta-init requires (the error below says why)."""
     if cfg.fsdp.meta_init and not hasattr(model, "init_module"):
         raise BadInput(f"--meta-init: {type(model).__name__} has no init_module(module): whatever its __init__ does "
                        "to the weights would run on the meta device and be lost; give it one (or init_module = None "
@@ -1317,13 +1299,13 @@ def meta_init_module(model, cfg):
 # Reference: checkpoint files
 #
 # run_dir/checkpoints/step_0000100/   one complete checkpoint, made visible by an atomic rename
-#     meta.json         step, tokens seen, type, world size, config, tokenizer, scaler, data, file sizes
-#     dcp/              sharded: torch.distributed.checkpoint files (model + optimizer), any world size
-#     model.pt          full: consolidated model (+ optimizer); also written at the end of a sharded run
-#     rng_rank{r}.pt    every RNG state of rank r (torch CPU and CUDA, numpy, Python)
+#   meta.json       step, tokens seen, type, world size, config, tokenizer, scaler, data, file sizes
+#   dcp/            sharded: torch.distributed.checkpoint files (model + optimizer), any world size
+#   model.pt        full: consolidated model (+ optimizer); also written at the end of a sharded run
+#   rng_rank{r}.pt  every RNG state of rank r (torch CPU and CUDA, numpy, Python)
 # run_dir/checkpoints/latest, best    the names of the newest and of the best complete checkpoint
 #
-# Every rank writes into checkpoints/.tmp-step_N, which rank 0 renames once all have: a kill leaves the last as latest.
+# Ranks write checkpoints/.tmp-step_N, renamed by rank 0 once all have: a kill leaves latest as is.
 
 
 class Checkpointer:
@@ -1332,30 +1314,31 @@ class Checkpointer:
 
     def __init__(self, cfg, topo, log, data, scaler):
         self.cfg, self.c, self.topo, self.log, self.data, self.scaler = cfg, cfg.checkpoint, topo, log, data, scaler
-        self.pending = None  # the background save under way: (path, meta, DCP's future, when staged)
+        self.pending = None  # the background save under way: (path, meta, DCP's future, staged at)
         if self.c.async_save and self.c.save_every:
-            # The writer's collectives run in another thread: they get a group of their own. On a GPU
-            # the writer keeps a pinned host copy of the state between saves: later ones stage faster.
+            # Its collectives run in another thread: a group of their own. On a GPU the writer keeps
+            # a pinned host copy of the state between saves: later ones stage faster.
             self.group = dist.new_group(backend="gloo")
             self.writer = dcp.FileSystemWriter(".", cache_staged_state_dict=topo.device.type == "cuda")
 
     def save(self, step, tokens_seen, model, optimizer, val_loss, last, stop):
-        """Save step `step` (val_loss: its validation loss, or None); the last also writes model.pt."""
+        """Save step `step` (val_loss: its validation loss or None); the last adds model.pt."""
         self.publish_finished(wait=True)  # one at a time, in order
         meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler, self.topo.world,
                                val_loss=val_loss, digests=getattr(self.data, "digests", None))
         path = os.path.join(self.cfg.train.out_dir, "checkpoints", f"step_{step:07d}")
-        t0, error = time.perf_counter(), None
+        tmp, t0, error = staging_path(path), time.perf_counter(), None
         background = self.c.async_save and not (last or stop)
-        rank0_does(lambda: fresh_dir(staging_path(path)), self.topo.rank, save_failed(meta))  # before any rank writes
+        # Before any rank writes; start_in removed every .tmp- directory a killed save left.
+        rank0_does(lambda: os.makedirs(tmp), self.topo.rank, save_failed(meta))
         try:
             if background:
                 self.pending = (path, meta, self.start_async_save(path, meta, model, optimizer), time.perf_counter())
             else:
-                write_checkpoint(staging_path(path), meta, model, optimizer, self.c, self.topo, consolidate=last)
-            write_rng_state(staging_path(path), self.topo.rank)
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            error = error_text(e, self.topo.rank, staging_path(path))
+                write_checkpoint(tmp, meta, model, optimizer, self.c, self.topo, consolidate=last)
+            write_rng_state(tmp, self.topo.rank)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = error_text(e, self.topo.rank, tmp)
         self.stop_if_failed(error, path, meta)
         if background:
             self.log.line(f"staged {path} in {time.perf_counter() - t0:.1f} s; writing it in the background")
@@ -1369,7 +1352,7 @@ class Checkpointer:
         state = sharded_state(model, optimizer, state_dict_options("sharded save", self.topo.device, meta))
         future = dcp.async_save(state, checkpoint_id=os.path.join(staging_path(path), "dcp"),
                                 storage_writer=self.writer, process_group=self.group)
-        return getattr(future, "upload_completion", future)  # releases that also stage in the background: the write
+        return getattr(future, "upload_completion", future)  # if staging is async too: the write's
 
     def publish_finished(self, wait=False):
         """At a step boundary, on every rank (a small all-reduce): publish the background save once
@@ -1411,7 +1394,7 @@ class Checkpointer:
         rank0_does(publish, self.topo.rank, save_failed(meta))
 
     def close(self):
-        """Stopped by an error: let the write end before the process groups go, and leave no staging directory."""
+        """After an error: let the write end before the process groups go; leave no staging dir."""
         if self.pending:
             self.pending[2].exception()
             if self.topo.rank == 0:
@@ -1436,11 +1419,6 @@ def write_checkpoint(tmp, meta, model, optimizer, c, topo, consolidate=False):
 def staging_path(path):
     """Where the checkpoint `path` is written before the rename that publishes it."""
     return os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
-
-
-def fresh_dir(path):
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
 
 
 def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None, digests=None):
@@ -1617,8 +1595,7 @@ def find_resume_checkpoint(run_dir, notes, skip=()):
 # run): the .pt files are read with weights_only=True, DCP's .metadata (a plain pickle) by
 # RestrictedUnpickler, and a file that asks for anything else is refused before anything in it runs.
 
-# The globals of DCP metadata, recorded from real checkpoints of every strategy, and every dtype.
-# Each only builds a value; callables that could run code are not among them.
+# The globals of DCP metadata, recorded from real checkpoints of every strategy: none can run code.
 DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
     "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
@@ -1651,9 +1628,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_weights_only(path, name=None, **kwargs):
-    """torch.load with weights_only=True: tensors and plain values. A file (or file object, named by
-    `name`) that asks for any other global is refused (BadInput); bytes that are no pickle at all
-    raise as torch raised them. mmap applies to zip files only: an old-format pickle is read plain."""
+    """torch.load(weights_only=True), but a file (or file object, named `name`) asking for another
+    global is BadInput; no pickle at all raises as torch raised it. mmap: zip files only."""
     name = name or path
     if kwargs.get("mmap") and not zipfile.is_zipfile(path):
         kwargs.pop("mmap")
@@ -1692,7 +1668,7 @@ def read_dcp_metadata(dcp_dir):
 
 
 def dcp_load(state, dcp_dir):
-    """dcp.load running no checkpoint code: a refusal on any rank is BadInput (DCP wraps it in CheckpointException)."""
+    """dcp.load running no checkpoint code: a refusal on any rank is BadInput, not DCP's wrapper."""
     read_dcp_metadata(dcp_dir)
     try:
         dcp.load(state, checkpoint_id=dcp_dir, planner=WeightsOnlyLoadPlanner())
@@ -1704,14 +1680,13 @@ def dcp_load(state, dcp_dir):
 
 
 def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
-    """Restore model, optimizer, scaler and RNG states; returns the checkpoint's meta. A sharded
-    checkpoint loads at any world size and sharding strategy (DCP reshards). Whatever fails on any
-    rank raises on every rank: CorruptCheckpoint for bytes that do not load, BadInput for a refused file."""
+    """Restore model, optimizer, scaler and RNG states (DCP reshards to any world size or strategy).
+    A failure on any rank raises on every rank: CorruptCheckpoint for bytes that do not load."""
     meta = check_checkpoint(path)
     error = None  # (message, the exception every rank raises) of this rank
     try:
         load_states(path, meta, model, optimizer, scaler, topo, cfg.train.seed)
-    except (RunFailed, BadInput) as e:  # not resumable (no optimizer state) or asks to run code: no older one instead
+    except (RunFailed, BadInput) as e:  # no optimizer state, or asks to run code: no fallback
         error = (str(e), type(e))
     except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
         error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", RunFailed)
@@ -1726,7 +1701,7 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
 
 def load_states(path, meta, model, optimizer, scaler, topo, seed):
     if meta["type"] == "sharded":
-        state, opts = sharded_state(model, optimizer), None  # empty optimizer state: tensors for DCP to load into
+        state, opts = sharded_state(model, optimizer), None  # tensors to load into, optimizer's too
         dcp_load(state, os.path.join(path, "dcp"))
     else:
         state, opts = load_weights_only(os.path.join(path, "model.pt"), mmap=True), state_dict_options("load")
@@ -1738,7 +1713,7 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
     if scaler and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
     if meta["world_size"] == topo.world:
-        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):  # files of earlier releases: exact too
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):  # older files: exact too
             set_rng_state(load_weights_only(os.path.join(path, f"rng_rank{topo.rank}.pt")))
     else:  # other ranks, other streams: seed them from the step so the run stays reproducible
         torch.manual_seed(seed + topo.rank + 1_000_003 * meta["step"])
@@ -1857,14 +1832,14 @@ def export_checkpoint(path):
     model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
                    for key, md in read_dcp_metadata(dcp_dir).state_dict_metadata.items()
                    if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # no process group here: DCP says it reads as one process, the intent
+    with warnings.catch_warnings():  # no process group: DCP says it reads as one process, as meant
         warnings.filterwarnings("ignore", message="torch.distributed is")
         dcp_load({"model": model_state}, dcp_dir)
     tmp = os.path.join(path, "export.tmp")
     torch.save(consolidated_payload(model_state, meta), tmp)
     os.replace(tmp, os.path.join(path, "model.pt"))
-    # meta.json lists model.pt too (a damaged one is then found like any file of the checkpoint), and
-    # keeps its mtime: the save's, by which complete_checkpoints orders the checkpoints.
+    # meta.json lists model.pt too (a damaged one is then found like any file of the checkpoint),
+    # and keeps its mtime: the save's, by which complete_checkpoints orders the checkpoints.
     meta_path, saved = os.path.join(path, "meta.json"), os.stat(os.path.join(path, "meta.json"))
     meta["files"]["model.pt"] = os.path.getsize(os.path.join(path, "model.pt"))
     write_text_atomic(meta_path, json.dumps(meta, indent=1))
@@ -1926,8 +1901,8 @@ def prepare_run_dir(cfg, rank, digests=None):
 
 
 def lock_run_dir(run_dir):
-    """flock RUN_DIR/run.lock: a second launch into the directory is refused, naming the holder. The kernel drops the
-    lock however the process ends: a killed run's never blocks a resume. Returns (file or None without flock, notes)."""
+    """flock RUN_DIR/run.lock: a second launch is refused, naming the holder. The kernel drops the
+    lock however the run ends (killed too). Returns (file, or None without flock; notes)."""
     path = os.path.join(run_dir, RUN_LOCK)
     fh = open(path, "a+")
     try:
@@ -1945,8 +1920,8 @@ def lock_run_dir(run_dir):
 
 
 def choose_start(cfg, digests):
-    """(checkpoint to resume or None, notes). A run directory that holds a run is continued (--resume
-    auto) when the config and the data match, refused otherwise, started afresh with --overwrite."""
+    """(checkpoint to resume or None, notes). A run directory holding a run is continued (--resume
+    auto) if the config and data match, refused otherwise, started afresh with --overwrite."""
     run_dir, c = cfg.train.out_dir, cfg.checkpoint
     root, config_path = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "config.json")
     resume, meta, old, notes = None, None, None, []
@@ -1970,9 +1945,6 @@ def choose_start(cfg, digests):
                            f"{newest}); not training over it: start from other weights with --init-from, or "
                            "afresh with --overwrite (which deletes its checkpoints)")
         old = meta["config"] if resume else read_saved_config(config_path, run_dir)
-    for section, sec in sections(cfg).items() if old is not None else ():  # fields the old run predates
-        if hasattr(sec, "saved_fields"):
-            old[section] = sec.saved_fields(old.get(section, {}))
     cfg.train.lr_decay_steps = schedule_length(cfg.train, (old or {}).get("train", {}))
     if old is not None:
         notes += resume_changes(cfg, old, meta, digests, resume)
@@ -1989,25 +1961,28 @@ def read_saved_config(config_path, run_dir):
 
 
 def resume_changes(cfg, old, meta, digests, resume):
-    """The notes of a resume; BadInput where the config (`old`) or data (meta's digests) would silently change it."""
+    """A resume's notes; BadInput where the config (`old`) or data would silently change the run."""
     refused, allowed = [], []
     for section, sec in sections(cfg).items():
         fixed = RESUME_FIXED[section] if section in RESUME_FIXED else set(dataclasses.asdict(sec))
+        saved = old.get(section, {})
+        if hasattr(sec, "saved_fields"):  # a seam's: fills in the fields the old run predates
+            saved = sec.saved_fields(saved)
         for key, value in dataclasses.asdict(sec).items():
-            before = old.get(section, {}).get(key)
+            before = saved.get(key)
             if before != value:
                 refuse = key in fixed and key not in getattr(sec, "RESUME_FREE", ())
                 (refused if refuse else allowed).append(f"{section}.{key}: {before!r} -> {value!r}")
     changed = data_changes(meta.get("data") if meta else None, digests)
     other = " and ".join(w for w, lines in (("another config", refused), ("other data", changed)) if lines)
-    if other and cfg.checkpoint.resume not in ("auto", "never"):  # --resume PATH: the run is that checkpoint's
-        raise BadInput(f"--resume {cfg.checkpoint.resume} was saved with {other} ({'; '.join(refused + changed)}); "
-                       "resuming would silently change its run: resume it with its own settings, or start a new "
-                       "run from its weights with --init-from")
     if other:
-        raise BadInput(f"--out-dir {cfg.train.out_dir} already holds a run with {other} "
-                       f"({'; '.join(refused + changed)}); resuming would silently change it: choose another "
-                       "directory or pass --overwrite")
+        found = f"{other} ({'; '.join(refused + changed)})"
+        if cfg.checkpoint.resume not in ("auto", "never"):  # --resume PATH: that checkpoint's run
+            raise BadInput(f"--resume {cfg.checkpoint.resume} was saved with {found}; resuming "
+                           "would silently change its run: resume it with its own settings, or "
+                           "start a new run from its weights with --init-from")
+        raise BadInput(f"--out-dir {cfg.train.out_dir} already holds a run with {found}; resuming "
+                       "would silently change it: choose another directory or pass --overwrite")
     notes = [f"changed on resume: {line}" for line in allowed]
     if resume and any(line.startswith(("train.max_steps", "train.lr_")) for line in allowed):
         notes.append(f"changed on resume: {schedule_change(cfg, old['train'], meta['step'])}")
@@ -2015,7 +1990,7 @@ def resume_changes(cfg, old, meta, digests, resume):
 
 
 def data_changes(old, new):
-    """'data: SOURCE changed' (added, removed) between the digests of a checkpoint and of this run."""
+    """'data: SOURCE changed' (added, removed) between a checkpoint's digests and this run's."""
     if old is None or new is None:
         return []
     return ([f"data: {k} changed" for k in new if k in old and new[k] != old[k]] +
@@ -2045,12 +2020,10 @@ def schedule_change(cfg, before, start):
 def start_in(run_dir, step, cfg):
     """Rank 0, once the start is loaded: clear what a stopped attempt left, keep metrics to `step`, save the config."""
     root = os.path.join(run_dir, "checkpoints")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(run_dir, STOPPED_FILE))
-    keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), step)
-    if not step:
+    for name in [STOPPED_FILE] if step else [STOPPED_FILE, "training_log.txt"]:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(run_dir, "training_log.txt"))
+            os.remove(os.path.join(run_dir, name))
+    keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), step)
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if name.startswith(".tmp-"):  # left by a save that was killed
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -2135,7 +2108,7 @@ class RunLog:
                 self.failed("stdout", e)
 
     def start_trackers(self, cfg, start_step):
-        """Rank 0 opens the trackers asked for (trackers.py), once the step to go on from is known."""
+        """Rank 0 opens the trackers asked for (trackers.py) once the start step is known."""
         if self.rank == 0 and (cfg.train.tensorboard or cfg.train.wandb):
             records = metric_records(os.path.join(cfg.train.out_dir, "metrics.jsonl"))
             self.trackers = importlib.import_module("trackers").Trackers(
@@ -2272,7 +2245,7 @@ def peak_flops(device):
 
 
 def describe_model(model, plan, wrap_classes):
-    """What the run needs of the plain model, read before wrapping: counts, flops per token, decay, Muon, eval note."""
+    """Before wrapping: the model's counts, flops per token, decay and Muon names, eval note."""
     total = parameter_count(model)
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
     return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -2369,10 +2342,9 @@ def describe_strategy(cfg, one=False):
         return (f"strategy fsdp {f.sharding_strategy} wrap={f.auto_wrap} "
                 f"prefetch={f.backward_prefetch} {dtypes} buffer={f.buffer_dtype}"), notes
     if t.strategy == "fsdp2":
-        reshard, kept = fsdp2_reshards(f), ""
-        if reshard:
-            last = f.auto_wrap != "size" and not one
-            kept = " except the root" + (" and last block" if last else "")
+        reshard = fsdp2_reshards(f)
+        last = " and last block" if f.auto_wrap != "size" and not one else ""
+        kept = f" except the root{last}" if reshard else ""
         return (f"strategy fsdp2 {f.sharding_strategy} (reshard_after_forward={reshard}{kept}) "
                 f"wrap={f.auto_wrap}{' forward_prefetch' if f.forward_prefetch else ''}"
                 f"{' cpu_offload' if f.cpu_offload else ''} {dtypes}"), notes
@@ -2397,8 +2369,8 @@ def loss_precision(cfg):
 
 
 class Stopper:
-    """Signals only set a flag: every rank finishes its step, saves and exits together (code 3). Also a worker whose
-    torchrun has gone (killed by a signal it does not forward): it would train on alone, unseen by a next launch."""
+    """Signals only set a flag: every rank finishes its step, saves and exits together (code 3). So
+    does a worker whose torchrun died of a signal it does not forward, not to train on alone."""
 
     LAUNCHER_GONE = 1000  # a stop reason beside the signal numbers, larger than any of them
 
@@ -2412,7 +2384,7 @@ class Stopper:
         self.reason = signum
 
     def poll(self):
-        """The stop reason (0: go on) of any rank, on every rank; RunFailed when rank 0's log failed."""
+        """Any rank's stop reason (0: go on), on every rank; RunFailed if rank 0's log failed."""
         if self.launcher is not None and os.getppid() != self.launcher:
             self.reason = self.LAUNCHER_GONE
         flags = torch.tensor([self.reason, int(self.log.error is not None)])
@@ -2445,7 +2417,6 @@ class Stopper:
 def parse_with_seams(argv, build_model, compute_loss, load_dataset, model_config, data_config):
     """(cfg, build_model, compute_loss, load_dataset): the seams given, else this project's, and
     the config of their settings, parsed and checked before anything is set up."""
-    # This project's seams read each other's output and settings: yours replace them in pairs.
     if bool(build_model) != bool(compute_loss) or (model_config and not build_model):
         raise BadInput("pass build_model, compute_loss (and model_config, if any) together: this project's read "
                        "what its own model returns and its settings")

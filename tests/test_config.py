@@ -599,7 +599,7 @@ def resolved(argv, vocab_size=32):
     filled, vocab from the data)."""
     cfg = parse_config([str(a) for a in argv])
     check_config(cfg)
-    topo = T.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), backend="gloo")
+    topo = T.Topology(rank=0, world=1, local_world=1, device=torch.device("cpu"), backend="gloo")
     T.resolve_config(cfg, topo, types.SimpleNamespace(vocab_size=vocab_size))
     cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps  # a new run's cosine (prepare_run_dir)
     return cfg

@@ -161,7 +161,7 @@ def test_fsdp2_refuses_no_shard_pointing_to_ddp():
 
 
 def topology(world=2):
-    return train_fsdp.Topology(rank=1, local_rank=1, world=world, local_world=world, device=torch.device("cpu"),
+    return train_fsdp.Topology(rank=1, world=world, local_world=world, device=torch.device("cpu"),
                                backend="gloo")  # rank 1: the strategy's resolve prints nothing
 
 
@@ -215,7 +215,7 @@ def test_fsdp2_on_one_process_keeps_parameters_gathered(sharding, capsys):
     parameters again in backward; fsdp2 takes SHARD_GRAD_OP there (said), as FSDP1 takes
     NO_SHARD. Two processes, --cpu-offload (resharding keeps the model in host memory) and FSDP1
     (its own rule) keep what was asked."""
-    one = dataclasses.replace(topology(1), rank=0, local_rank=0)
+    one = dataclasses.replace(topology(1), rank=0)
     cfg = train_fsdp.parse_config(["--strategy", "fsdp2", "--sharding-strategy", sharding])
     train_fsdp.strategy_of(cfg).resolve(cfg, one)
     assert cfg.fsdp.sharding_strategy == "SHARD_GRAD_OP"

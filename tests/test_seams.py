@@ -377,7 +377,7 @@ def test_tied_parameters_stay_shared(repo, group, strategy, meta):
     model_lib = repo_module(repo, "model")
     cfg = train_fsdp.parse_config(["--strategy", strategy, "--auto-wrap", "module"] + ["--meta-init"] * meta,
                                   train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
-    topo = train_fsdp.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
+    topo = train_fsdp.Topology(rank=0, world=1, local_world=1, device=torch.device("cpu"),
                                backend="gloo", mesh=None)
     topo = train_fsdp.dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
     torch.manual_seed(0)
@@ -400,7 +400,7 @@ def test_meta_init_gives_the_same_tied_weights_under_every_strategy(repo, group)
     for strategy in ["none", "ddp", "fsdp", "fsdp2"]:
         cfg = train_fsdp.parse_config(["--strategy", strategy, "--auto-wrap", "module", "--meta-init"],
                                       train_fsdp.Config(model=model_lib.GPTConfig(), data=train_fsdp.NoSettings()))
-        topo = train_fsdp.Topology(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
+        topo = train_fsdp.Topology(rank=0, world=1, local_world=1, device=torch.device("cpu"),
                                    backend="gloo", mesh=None)
         topo = train_fsdp.dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
         torch.manual_seed(0)
