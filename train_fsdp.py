@@ -51,7 +51,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -1051,7 +1050,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
     if argv[:1] == ["--export"] and len(argv) == 2:  # --export RUN/checkpoints/step_N alone
-        return export_checkpoint(argv[1])
+        return import_optional("export", "--export").export_checkpoint(argv[1])
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(
         argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
@@ -1233,7 +1232,8 @@ def meta_init_fn(model, init_fn, device):
         for n, p in module._parameters.items():
             if p is not None and p.is_meta:
                 if p not in shared:
-                    shared[p] = fresh[n] = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                    empty = torch.empty_like(p, device=device)
+                    shared[p] = fresh[n] = torch.nn.Parameter(empty, p.requires_grad)
                 module._parameters[n] = shared[p]
                 holders[p] -= 1
                 if not holders[p]:
@@ -1260,8 +1260,9 @@ def init_tensors(module, name, fresh, init_fn):
         init_fn(module)
     for n, t in fresh.items():
         if t.is_floating_point() and t.isnan().any():
-            raise BadInput(f"--meta-init: nothing initialises {name}.{n} ({type(module).__name__}): give the model an "
-                           "init_module(module) that covers it, or the module a reset_parameters()")
+            raise BadInput(f"--meta-init: nothing initialises {name}.{n} "
+                           f"({type(module).__name__}): give the model an init_module(module) that "
+                           "covers it, or the module a reset_parameters()")
 
 
 @torch.no_grad()
@@ -1273,7 +1274,8 @@ def init_weights(model, order, init_fn):
     for m in order:
         own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor) and p not in done}
         done.update(own.values())
-        full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device) for n, p in own.items()}
+        full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                for n, p in own.items()}
         plain = {n: t for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
                  if t is not None and not isinstance(t, DTensor)}
         try:
@@ -1283,15 +1285,17 @@ def init_weights(model, order, init_fn):
         finally:
             m._parameters.update(own)
         for n, p in own.items():
-            p.to_local().copy_(distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None).to_local())
+            shard = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
 
 
 def meta_init_module(model, cfg):
     """The model's init_module, which --meta-init requires (the error below says why)."""
     if cfg.fsdp.meta_init and not hasattr(model, "init_module"):
-        raise BadInput(f"--meta-init: {type(model).__name__} has no init_module(module): whatever its __init__ does "
-                       "to the weights would run on the meta device and be lost; give it one (or init_module = None "
-                       "when its modules' reset_parameters() are its whole initialisation), or drop --meta-init")
+        raise BadInput(f"--meta-init: {type(model).__name__} has no init_module(module): whatever "
+                       "its __init__ does to the weights would run on the meta device and be lost; "
+                       "give it one (or init_module = None when its modules' reset_parameters() "
+                       "are its whole initialisation), or drop --meta-init")
     return getattr(model, "init_module", None)
 
 
@@ -1313,19 +1317,22 @@ class Checkpointer:
     the --save-every checkpoints in the background, one at a time; a stop's and the last are not."""
 
     def __init__(self, cfg, topo, log, data, scaler):
-        self.cfg, self.c, self.topo, self.log, self.data, self.scaler = cfg, cfg.checkpoint, topo, log, data, scaler
+        self.cfg, self.c, self.topo, self.log = cfg, cfg.checkpoint, topo, log
+        self.data, self.scaler = data, scaler
         self.pending = None  # the background save under way: (path, meta, DCP's future, staged at)
         if self.c.async_save and self.c.save_every:
             # Its collectives run in another thread: a group of their own. On a GPU the writer keeps
             # a pinned host copy of the state between saves: later ones stage faster.
             self.group = dist.new_group(backend="gloo")
-            self.writer = dcp.FileSystemWriter(".", cache_staged_state_dict=topo.device.type == "cuda")
+            on_gpu = topo.device.type == "cuda"
+            self.writer = dcp.FileSystemWriter(".", cache_staged_state_dict=on_gpu)
 
     def save(self, step, tokens_seen, model, optimizer, val_loss, last, stop):
         """Save step `step` (val_loss: its validation loss or None); the last adds model.pt."""
         self.publish_finished(wait=True)  # one at a time, in order
-        meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler, self.topo.world,
-                               val_loss=val_loss, digests=getattr(self.data, "digests", None))
+        meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler,
+                               self.topo.world, val_loss=val_loss,
+                               digests=getattr(self.data, "digests", None))
         path = os.path.join(self.cfg.train.out_dir, "checkpoints", f"step_{step:07d}")
         tmp, t0, error = staging_path(path), time.perf_counter(), None
         background = self.c.async_save and not (last or stop)
@@ -1333,7 +1340,8 @@ class Checkpointer:
         rank0_does(lambda: os.makedirs(tmp), self.topo.rank, save_failed(meta))
         try:
             if background:
-                self.pending = (path, meta, self.start_async_save(path, meta, model, optimizer), time.perf_counter())
+                future = self.start_async_save(path, meta, model, optimizer)
+                self.pending = (path, meta, future, time.perf_counter())
             else:
                 write_checkpoint(tmp, meta, model, optimizer, self.c, self.topo, consolidate=last)
             write_rng_state(tmp, self.topo.rank)
@@ -1341,7 +1349,8 @@ class Checkpointer:
             error = error_text(e, self.topo.rank, tmp)
         self.stop_if_failed(error, path, meta)
         if background:
-            self.log.line(f"staged {path} in {time.perf_counter() - t0:.1f} s; writing it in the background")
+            self.log.line(f"staged {path} in {time.perf_counter() - t0:.1f} s; writing it in the "
+                          "background")
         else:
             self.publish(path, meta)
             self.log.line(f"saved {path} in {time.perf_counter() - t0:.1f} s")
@@ -1349,7 +1358,8 @@ class Checkpointer:
     def start_async_save(self, path, meta, model, optimizer):
         """Stage this rank's shards to host memory and hand them to DCP's background writer, which
         returns once the copy is made: training may change the weights at once."""
-        state = sharded_state(model, optimizer, state_dict_options("sharded save", self.topo.device, meta))
+        opts = state_dict_options("sharded save", self.topo.device, meta)
+        state = sharded_state(model, optimizer, opts)
         future = dcp.async_save(state, checkpoint_id=os.path.join(staging_path(path), "dcp"),
                                 storage_writer=self.writer, process_group=self.group)
         return getattr(future, "upload_completion", future)  # if staging is async too: the write's
@@ -1372,8 +1382,9 @@ class Checkpointer:
             return
         self.publish(path, meta)
         self.pending = None
-        self.log.line(f"saved {path} in the background, {time.perf_counter() - staged:.1f} s after it was staged" +
-                      (f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""))
+        waited = f"; waited {time.perf_counter() - t0:.1f} s for its end" if wait else ""
+        self.log.line(f"saved {path} in the background, {time.perf_counter() - staged:.1f} s after "
+                      f"it was staged{waited}")
 
     def stop_if_failed(self, error, path, meta):
         """When any rank failed to write (`error`: this rank's), every rank raises, rank 0 having
@@ -1691,8 +1702,8 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
     except (torch.OutOfMemoryError, MemoryError) as e:  # the files may be fine: no fallback
         error = (f"loading {path} failed on rank {topo.rank}: {type(e).__name__}: {e}", RunFailed)
     except (Exception, CheckpointException) as e:
-        error = (f"checkpoint {path} is incomplete or corrupted: rank {topo.rank}: {type(e).__name__}: {e}",
-                 CorruptCheckpoint)
+        error = (f"checkpoint {path} is incomplete or corrupted: rank {topo.rank}: "
+                 f"{type(e).__name__}: {e}", CorruptCheckpoint)
     error = any_rank_error(error, topo)
     if error:
         raise error[1](error[0].splitlines()[0])
@@ -1704,10 +1715,11 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         state, opts = sharded_state(model, optimizer), None  # tensors to load into, optimizer's too
         dcp_load(state, os.path.join(path, "dcp"))
     else:
-        state, opts = load_weights_only(os.path.join(path, "model.pt"), mmap=True), state_dict_options("load")
+        state = load_weights_only(os.path.join(path, "model.pt"), mmap=True)
+        opts = state_dict_options("load")
         if "optim" not in state:
-            raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); start a new run "
-                            "from its weights with --init-from instead")
+            raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); "
+                            "start a new run from its weights with --init-from instead")
     set_model_state_dict(model, state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, state["optim"], options=opts)
     if scaler and meta["scaler"]:
@@ -1725,7 +1737,8 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
     if not resume:
         if cfg.checkpoint.init_from:
             init_weights_from(cfg.checkpoint.init_from, model)
-            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} (fresh optimizer, step 0)")
+            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} "
+                         "(fresh optimizer, step 0)")
         return 0, 0
     t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
     while True:
@@ -1736,14 +1749,16 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
             if cfg.checkpoint.resume != "auto":
                 raise
             failed.append(resume)
-            resume, _ = rank0_does(lambda: find_resume_checkpoint(run_dir, [], skip=failed), topo.rank)
+            resume, _ = rank0_does(lambda: find_resume_checkpoint(run_dir, [], failed), topo.rank)
             if resume is None:
-                raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: start from its weights with "
-                                "--init-from, or afresh with --overwrite (which deletes its checkpoints)")
+                raise RunFailed(f"{e}; no older complete checkpoint in {run_dir}: start from its "
+                                "weights with --init-from, or afresh with --overwrite (which "
+                                "deletes its checkpoints)")
             notes.append(f"{e}; trying an older checkpoint")
-    notes.append(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, saved by "
-             f"{meta['world_size']} processes" +
-             ("" if meta["world_size"] == topo.world else "; RNG streams re-seeded for the new world size") + ")")
+    notes.append(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, "
+                 f"saved by {meta['world_size']} processes" +
+                 ("" if meta["world_size"] == topo.world
+                  else "; RNG streams re-seeded for the new world size") + ")")
     return meta["step"], meta["tokens_seen"]
 
 
@@ -1821,33 +1836,6 @@ def require_checkpoint_dir(path, flag, valid):
     return path, check_checkpoint(path)
 
 
-def export_checkpoint(path):
-    """A sharded checkpoint (or checkpoints/best or latest) -> the single-file model.pt beside it,
-    in one process. Only the model's tensors are read: the optimizer's two fp32 copies never are."""
-    path, meta = require_checkpoint_dir(path, "--export", "a checkpoint directory such as RUN/checkpoints/step_N")
-    if os.path.exists(os.path.join(path, "model.pt")):  # a full checkpoint, or the last of a run
-        print(f"{path} already holds a consolidated model.pt")
-        return os.path.join(path, "model.pt")
-    dcp_dir = os.path.join(path, "dcp")
-    model_state = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-                   for key, md in read_dcp_metadata(dcp_dir).state_dict_metadata.items()
-                   if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # no process group: DCP says it reads as one process, as meant
-        warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp_load({"model": model_state}, dcp_dir)
-    tmp = os.path.join(path, "export.tmp")
-    torch.save(consolidated_payload(model_state, meta), tmp)
-    os.replace(tmp, os.path.join(path, "model.pt"))
-    # meta.json lists model.pt too (a damaged one is then found like any file of the checkpoint),
-    # and keeps its mtime: the save's, by which complete_checkpoints orders the checkpoints.
-    meta_path, saved = os.path.join(path, "meta.json"), os.stat(os.path.join(path, "meta.json"))
-    meta["files"]["model.pt"] = os.path.getsize(os.path.join(path, "model.pt"))
-    write_text_atomic(meta_path, json.dumps(meta, indent=1))
-    os.utime(meta_path, ns=(saved.st_atime_ns, saved.st_mtime_ns))
-    print(f"wrote {os.path.join(path, 'model.pt')}")
-    return os.path.join(path, "model.pt")
-
-
 # =============================================================================================
 # Reference: run directory (config.json, metrics.jsonl, training_log.txt, run.lock, checkpoints/)
 
@@ -1912,11 +1900,12 @@ def lock_run_dir(run_dir):
         fh.seek(0)
         holder = fh.read().strip() or "another process"
         fh.close()
-        raise BadInput(f"--out-dir {run_dir} is in use by {holder}: a run directory takes one run at a time; wait "
-                       "for it to end or stop it, or choose another --out-dir")
+        raise BadInput(f"--out-dir {run_dir} is in use by {holder}: a run directory takes one run "
+                       "at a time; wait for it to end or stop it, or choose another --out-dir")
     except OSError as e:  # e.g. Lustre mounted without flock
         fh.close()
-        return None, [f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not be refused"]
+        return None, [f"{path}: no lock ({e.strerror}); a second launch into {run_dir} would not "
+                      "be refused"]
 
 
 def choose_start(cfg, digests):
@@ -1929,21 +1918,23 @@ def choose_start(cfg, digests):
     holds_run = (os.path.exists(config_path) or bool(complete_checkpoints(root))
                  or os.path.exists(os.path.join(root, "latest")))
     if c.resume not in ("auto", "never"):
-        resume, meta = require_checkpoint_dir(c.resume.rstrip("/"), "--resume", "auto, never or a checkpoint directory")
+        resume, meta = require_checkpoint_dir(c.resume.rstrip("/"), "--resume",
+                                              "auto, never or a checkpoint directory")
         old = meta["config"]
     elif holds_run and cfg.train.overwrite:
         shutil.rmtree(root, ignore_errors=True)
         notes.append(f"--overwrite: starting {run_dir} afresh (its checkpoints were deleted)")
     elif holds_run and c.resume == "never":
-        raise BadInput(f"--out-dir {run_dir} already holds a run; pass --resume auto to continue it or "
-                       "--overwrite to start afresh")
+        raise BadInput(f"--out-dir {run_dir} already holds a run; pass --resume auto to continue "
+                       "it or --overwrite to start afresh")
     elif holds_run:
         resume, meta = find_resume_checkpoint(run_dir, notes)
-        if resume is None and notes:  # checkpoints there, none complete: training would replace them
+        if resume is None and notes:  # none complete: training would replace them
             newest = notes[0].removesuffix("; trying an older checkpoint")
-            raise BadInput(f"--out-dir {run_dir} holds a run but none of its checkpoints is complete (newest: "
-                           f"{newest}); not training over it: start from other weights with --init-from, or "
-                           "afresh with --overwrite (which deletes its checkpoints)")
+            raise BadInput(f"--out-dir {run_dir} holds a run but none of its checkpoints is "
+                           f"complete (newest: {newest}); not training over it: start from other "
+                           "weights with --init-from, or afresh with --overwrite (which deletes "
+                           "its checkpoints)")
         old = meta["config"] if resume else read_saved_config(config_path, run_dir)
     cfg.train.lr_decay_steps = schedule_length(cfg.train, (old or {}).get("train", {}))
     if old is not None:
@@ -1974,7 +1965,8 @@ def resume_changes(cfg, old, meta, digests, resume):
                 refuse = key in fixed and key not in getattr(sec, "RESUME_FREE", ())
                 (refused if refuse else allowed).append(f"{section}.{key}: {before!r} -> {value!r}")
     changed = data_changes(meta.get("data") if meta else None, digests)
-    other = " and ".join(w for w, lines in (("another config", refused), ("other data", changed)) if lines)
+    kinds = (("another config", refused), ("other data", changed))
+    other = " and ".join(kind for kind, lines in kinds if lines)
     if other:
         found = f"{other} ({'; '.join(refused + changed)})"
         if cfg.checkpoint.resume not in ("auto", "never"):  # --resume PATH: that checkpoint's run
@@ -1994,17 +1986,20 @@ def data_changes(old, new):
     if old is None or new is None:
         return []
     return ([f"data: {k} changed" for k in new if k in old and new[k] != old[k]] +
-            [f"data: {k} added" for k in new if k not in old] + [f"data: {k} removed" for k in old if k not in new])
+            [f"data: {k} added" for k in new if k not in old] +
+            [f"data: {k} removed" for k in old if k not in new])
 
 
 def schedule_change(cfg, before, start):
-    """What a resume at step `start` with another --max-steps or schedule does to the rates (`before`: its [train])."""
+    """Rate changes of a resume at `start` with new --max-steps/schedule (`before`: old [train])."""
     t, peak = cfg.train, peak_lr(cfg.train)
     old_steps = before.get("max_steps") or t.max_steps
-    old = dataclasses.replace(cfg, train=dataclasses.replace(t, lr_schedule=before.get("lr_schedule", "cosine"),
-                                                             lr_decay_steps=before.get("lr_decay_steps") or 0))
+    old = dataclasses.replace(cfg, train=dataclasses.replace(
+        t, lr_schedule=before.get("lr_schedule", "cosine"),
+        lr_decay_steps=before.get("lr_decay_steps") or 0))
     planned = range(start, min(old_steps, t.max_steps))
-    moved = [s for s in planned if not math.isclose(lr_at(s, peak, old, old_steps), lr_at(s, peak, cfg, t.max_steps))]
+    moved = [s for s in planned
+             if not math.isclose(lr_at(s, peak, old, old_steps), lr_at(s, peak, cfg, t.max_steps))]
     if moved:
         s = moved[0]
         parts = [f"steps {s + 1}-{moved[-1] + 1} of the plan change rate (step {s + 1}: "
@@ -2012,13 +2007,15 @@ def schedule_change(cfg, before, start):
     else:
         parts = [f"steps {start + 1}-{planned[-1] + 1} keep their planned rates"] if planned else []
     if t.max_steps > old_steps:
-        parts.append(f"steps {old_steps + 1}-{t.max_steps} are added, at {lr_at(old_steps, peak, cfg, t.max_steps):.2e}"
+        parts.append(f"steps {old_steps + 1}-{t.max_steps} are added, at "
+                     f"{lr_at(old_steps, peak, cfg, t.max_steps):.2e}"
                      f" to {lr_at(t.max_steps - 1, peak, cfg, t.max_steps):.2e}")
-    return f"learning rate ({t.lr_schedule}, lr_decay_steps {t.lr_decay_steps}): " + "; ".join(parts or ["unchanged"])
+    return (f"learning rate ({t.lr_schedule}, lr_decay_steps {t.lr_decay_steps}): " +
+            "; ".join(parts or ["unchanged"]))
 
 
 def start_in(run_dir, step, cfg):
-    """Rank 0, once the start is loaded: clear what a stopped attempt left, keep metrics to `step`, save the config."""
+    """Rank 0, once the start is loaded: clear a stopped attempt's files, keep metrics to `step`."""
     root = os.path.join(run_dir, "checkpoints")
     for name in [STOPPED_FILE] if step else [STOPPED_FILE, "training_log.txt"]:
         with contextlib.suppress(FileNotFoundError):
@@ -2027,7 +2024,8 @@ def start_in(run_dir, step, cfg):
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if name.startswith(".tmp-"):  # left by a save that was killed
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    write_text_atomic(os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
+    config = json.dumps(dataclasses.asdict(cfg), indent=2)
+    write_text_atomic(os.path.join(run_dir, "config.json"), config)
 
 
 def keep_metric_lines(path, last_step):
@@ -2049,16 +2047,17 @@ def metric_records(path):
 
 
 def debug_env(run_dir):
-    """--debug, before the process group exists: torch's distributed debug level, NCCL's logging, and the
-    flight recorder (each rank's last 2000 collectives, dumped to RUN_DIR/flight_recorder/rank_<r> when
-    one times out; docs/slurm.md). A value already in the environment (slurm_submit.sh's) wins."""
+    """--debug, before the process group exists: torch's distributed debug level, NCCL's logging
+    and the flight recorder (each rank's last 2000 collectives, dumped to RUN_DIR/flight_recorder/
+    rank_<r> on a timeout; docs/slurm.md). A value set already (by slurm_submit.sh) wins."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()
     prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
-    for name, value in {"NCCL_DEBUG": "INFO", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}.items():
-        os.environ.setdefault(name, value)  # releases before the TORCH_FR_* names read the TORCH_NCCL_* ones
+    settings = {"NCCL_DEBUG": "INFO", "TORCH_FR_BUFFER_SIZE": "2000",
+                "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    for name, value in settings.items():  # older releases read TORCH_NCCL_*, not TORCH_FR_*
+        os.environ.setdefault(name, value)
 
 
 def flight_recorder_dumps():
@@ -2095,8 +2094,9 @@ class RunLog:
                 self.failed(fh.name, e)
 
     def failed(self, what, e):
-        self.error = self.error or f"writing {what} failed on rank 0 ({type(e).__name__}: {e}); the latest " \
-                                   "checkpoint is intact"
+        if self.error is None:  # the first failure is the one to report
+            self.error = (f"writing {what} failed on rank 0 ({type(e).__name__}: {e}); the latest "
+                          "checkpoint is intact")
 
     def line(self, msg, file_too=True):
         if self.rank == 0:
@@ -2124,15 +2124,17 @@ class RunLog:
         """A training record (Meter.record) and its line; `keys`: the losses, in the order shown."""
         self.metrics(rec)
         parts = " ".join(f"{k} {rec[k]:.4f}" for k in keys)
-        self.line(f"step {rec['step']:>6} | {parts} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | "
-                  f"{rec['tokens_per_s']:,.0f} tok/s | {1000 * rec['step_time_s']:.1f} ms/step" +
-                  (f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else "") +
-                  f" | mem {rec['mem_peak_gib']:.2f} GiB peak")
+        mfu = f" | mfu {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        self.line(f"step {rec['step']:>6} | {parts} | lr {rec['lr']:.2e} | "
+                  f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+                  f"{1000 * rec['step_time_s']:.1f} ms/step{mfu} | "
+                  f"mem {rec['mem_peak_gib']:.2f} GiB peak")
 
     def validation(self, step, val, tokens_seen, seconds):
-        self.metrics({"step": step, "tokens_seen": tokens_seen, **{f"val_{k}": v for k, v in val.items()}})
-        self.line(f"step {step:>6} | validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) +
-                  f" | {seconds[0]:.2f} s")
+        self.metrics({"step": step, "tokens_seen": tokens_seen,
+                      **{f"val_{k}": v for k, v in val.items()}})
+        losses = " ".join(f"{k} {v:.4f}" for k, v in val.items())
+        self.line(f"step {step:>6} | validation {losses} | {seconds[0]:.2f} s")
 
     def close_trackers(self):
         if self.trackers:
@@ -2248,8 +2250,9 @@ def describe_model(model, plan, wrap_classes):
     """Before wrapping: the model's counts, flops per token, decay and Muon names, eval note."""
     total = parameter_count(model)
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
-    return {"total": total, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "flops": flops, "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"total": total, "trainable": trainable, "flops": flops,
+            "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
             "hidden": hidden_matrices(model, wrap_classes)}
 
 
@@ -2264,15 +2267,15 @@ def start_profiler(cfg, topo):
     if not cfg.train.profile:
         return None
     trace = os.path.join(cfg.train.out_dir, f"trace_rank{topo.rank}.json")
-    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-                                      on_trace_ready=lambda p: p.export_chrome_trace(trace))
+    profiler = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(trace))
     profiler.start()
     return profiler
 
 
 def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
-    """The run's log. Rank 0's start-up lines: the resume notes, the config, where it runs, the strategy, parameters,
-    batches, evaluation, saves; then the trackers asked for."""
+    """The run's log: rank 0's start-up lines (config, strategy, sizes, saves), then trackers."""
     log = RunLog(cfg.train.out_dir, topo.rank)
     for note in notes:
         log.line(note)
@@ -2287,30 +2290,34 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
     log.line(headline)
     log.line(loss_precision(cfg))
     if strategy_of(cfg).shards and cfg.fsdp.auto_wrap == "auto":
-        log.line("--auto-wrap auto: " + ("the whole model is one FSDP unit (--auto-wrap module makes each block one)"
-                                         if one else "each block is an FSDP unit (the module rule)"))
+        log.line("--auto-wrap auto: " + (
+            "the whole model is one FSDP unit (--auto-wrap module makes each block one)"
+            if one else "each block is an FSDP unit (the module rule)"))
     if t.compile:
-        log.line(f"compile: {'each block' if compiles_blocks(cfg, n) else 'the model'}, mode {compile_mode(cfg, n)}")
-    log.line(f"parameters: total {n:,} | trainable {about['trainable']:,} | on rank 0 {per_rank[0]:,} "
-             f"(fewest on a rank {min(per_rank):,}, most {max(per_rank):,})")
-    log.line(f"batch: global {t.global_batch} = micro {plan.micro} x world {topo.world} x accum {plan.accum} "
-             f"({t.grad_accum_mode}) | seq {plan.seq_len} | {plan.tokens_per_step:,} tokens/step | "
-             f"{plan.max_steps} steps")
+        log.line(f"compile: {'each block' if compiles_blocks(cfg, n) else 'the model'}, "
+                 f"mode {compile_mode(cfg, n)}")
+    log.line(f"parameters: total {n:,} | trainable {about['trainable']:,} | on rank 0 "
+             f"{per_rank[0]:,} (fewest on a rank {min(per_rank):,}, most {max(per_rank):,})")
+    log.line(f"batch: global {t.global_batch} = micro {plan.micro} x world {topo.world} x accum "
+             f"{plan.accum} ({t.grad_accum_mode}) | seq {plan.seq_len} | "
+             f"{plan.tokens_per_step:,} tokens/step | {plan.max_steps} steps")
     for note in notes + ([about["note"]] if about["note"] else []):
         log.line(note)
     if t.debug:
-        log.line(f"distributed debug level {dist.get_debug_level().name}, NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
+        log.line(f"distributed debug level {dist.get_debug_level().name}, "
+                 f"NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
     if flight_recorder_dumps():
-        log.line(f"flight recorder: the last {os.environ['TORCH_FR_BUFFER_SIZE']} collectives per rank, dumped on "
-                 f"a collective timeout (NCCL) to {flight_recorder_dumps()}<rank>")
+        log.line(f"flight recorder: the last {os.environ['TORCH_FR_BUFFER_SIZE']} collectives per "
+                 f"rank, dumped on a collective timeout (NCCL) to {flight_recorder_dumps()}<rank>")
     rows = min(t.eval_samples, n_val)
     log.line(f"evaluation: {f'every {t.eval_every} steps' if t.eval_every else 'at the end'}"
-             f"{' and at each save (--keep-best)' if c.keep_best else ''} | {rows:,} validation rows each, " +
-             ("the whole split" if rows == n_val else f"of {n_val:,} (--eval-samples {t.eval_samples})"))
+             f"{' and at each save (--keep-best)' if c.keep_best else ''} | {rows:,} validation "
+             "rows each, " + ("the whole split" if rows == n_val
+                              else f"of {n_val:,} (--eval-samples {t.eval_samples})"))
     saves = f"every {c.save_every} steps" if c.save_every else "at the end"
     log.line(f"run directory: {t.out_dir} | checkpoints: {c.checkpoint_type}, {saves}"
-             f"{' in the background (--async-save)' if c.save_every and c.async_save else ''}, keep the newest "
-             f"{c.keep_checkpoints}{' and the best' if c.keep_best else ''}")
+             f"{' in the background (--async-save)' if c.save_every and c.async_save else ''}, "
+             f"keep the newest {c.keep_checkpoints}{' and the best' if c.keep_best else ''}")
     log.start_trackers(cfg, start_step)
     return log
 
@@ -2358,10 +2365,11 @@ def loss_precision(cfg):
     if dtype == "fp32":
         return "loss: compute_loss runs in fp32"
     if not autocasts(cfg):
-        return (f"loss: compute_loss gets the model's {dtype} outputs (FSDP computes in {dtype}, no autocast): a loss "
-                f"it does not compute in fp32 (this project's casts the logits) is {dtype}; --autocast runs "
-                "cross_entropy, softmax and norms in fp32")
-    return f"loss: compute_loss runs under autocast {dtype}: cross_entropy, softmax and norms in fp32"
+        return (f"loss: compute_loss gets the model's {dtype} outputs (FSDP computes in {dtype}, "
+                "no autocast): a loss it does not compute in fp32 (this project's casts the "
+                f"logits) is {dtype}; --autocast runs cross_entropy, softmax and norms in fp32")
+    return (f"loss: compute_loss runs under autocast {dtype}: cross_entropy, softmax and norms "
+            "in fp32")
 
 
 # =============================================================================================
@@ -2378,7 +2386,8 @@ class Stopper:
         self.topo, self.log, self.reason = topo, log, 0
         # Not without torchrun: a `nohup python train_fsdp.py` outlives its shell on purpose.
         self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        stops = (signal.SIGTERM, signal.SIGUSR1)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in stops}
 
     def handle(self, signum, frame):
         self.reason = signum
@@ -2389,21 +2398,24 @@ class Stopper:
             self.reason = self.LAUNCHER_GONE
         flags = torch.tensor([self.reason, int(self.log.error is not None)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.topo.control)
-        if flags[1].item():
-            raise RunFailed(self.log.error or "rank 0 could not write the run's log")  # only rank 0 holds the text
+        if flags[1].item():  # only rank 0 holds the text
+            raise RunFailed(self.log.error or "rank 0 could not write the run's log")
         return flags[0].item()
 
     def leave(self, reason, step, run_dir):
         """After the stop's save: rank 0 writes stopped.json (for launchers that cannot see our exit
         code: torchrun turns 3 into 1), and every rank waits for it (rank0_does is a collective)."""
         text = json.dumps({"step": step}) + "\n"
-        rank0_does(lambda: write_text_atomic(os.path.join(run_dir, STOPPED_FILE), text), self.topo.rank,
-                   lambda e: RunFailed(f"the checkpoint of step {step} is saved, but {STOPPED_FILE} could not be "
-                                       f"written ({e}): a launcher will take this stop for a failure"))
-        what = "launcher gone (torchrun exited and left its workers running)" if reason == self.LAUNCHER_GONE \
-            else f"signal {signal.Signals(reason).name}"
-        raise Preempted(f"{what} at step {step}: checkpoint saved, exiting with code {EXIT_PREEMPTED}; run the same "
-                        f"command with --out-dir {run_dir} to resume")
+        path = os.path.join(run_dir, STOPPED_FILE)
+        rank0_does(lambda: write_text_atomic(path, text), self.topo.rank,
+                   lambda e: RunFailed(f"the checkpoint of step {step} is saved, but "
+                                       f"{STOPPED_FILE} could not be written ({e}): a launcher "
+                                       "will take this stop for a failure"))
+        what = ("launcher gone (torchrun exited and left its workers running)"
+                if reason == self.LAUNCHER_GONE else f"signal {signal.Signals(reason).name}")
+        raise Preempted(f"{what} at step {step}: checkpoint saved, exiting with code "
+                        f"{EXIT_PREEMPTED}; run the same command with --out-dir {run_dir} to "
+                        "resume")
 
     def close(self):
         for sig, handler in self.previous.items():
@@ -2418,20 +2430,22 @@ def parse_with_seams(argv, build_model, compute_loss, load_dataset, model_config
     """(cfg, build_model, compute_loss, load_dataset): the seams given, else this project's, and
     the config of their settings, parsed and checked before anything is set up."""
     if bool(build_model) != bool(compute_loss) or (model_config and not build_model):
-        raise BadInput("pass build_model, compute_loss (and model_config, if any) together: this project's read "
-                       "what its own model returns and its settings")
+        raise BadInput("pass build_model, compute_loss (and model_config, if any) together: this "
+                       "project's read what its own model returns and its settings")
     if data_config and not load_dataset:
         raise BadInput("data_config needs your load_dataset: this project's reads its own settings")
     for name, given in (("model_config", model_config), ("data_config", data_config)):
         if given is not None and not (isinstance(given, type) and dataclasses.is_dataclass(given)):
-            raise BadInput(f"{name}={getattr(given, '__qualname__', given)!r} is not a dataclass: pass the class of "
-                           "your settings, decorated with @dataclass, each field an int, float, str or bool")
+            raise BadInput(f"{name}={getattr(given, '__qualname__', given)!r} is not a dataclass: "
+                           "pass the class of your settings, decorated with @dataclass, each field "
+                           "an int, float, str or bool")
     this = sys.modules[__name__]
     made = {"model": model_config or (NoSettings if build_model else None),
             "data": data_config or (NoSettings if load_dataset else None)}
     cfg = parse_config(argv, Config(**{name: make() for name, make in made.items() if make}))
     check_config(cfg)
-    return cfg, build_model or this.build_model, compute_loss or this.compute_loss, load_dataset or this.load_dataset
+    return (cfg, build_model or this.build_model, compute_loss or this.compute_loss,
+            load_dataset or this.load_dataset)
 
 
 def sections(cfg):
@@ -2453,37 +2467,42 @@ def field_type(section, f):
     """int, float, str or bool (a string under `from __future__ import annotations`)."""
     typ = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
     if typ not in (int, float, str, bool):
-        raise BadInput(f"{section}.{f.name}: type {f.type!r}; a setting is an int, float, str or bool")
+        raise BadInput(f"{section}.{f.name}: type {f.type!r}; a setting is an int, float, "
+                       "str or bool")
     return typ
 
 
 def build_arg_parser(cfg=None):
-    parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a flag; "
-                           "--config FILE.toml sets the same fields by [section].", allow_abbrev=False)
-    parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], [train], "
-                        "[checkpoint] tables")
+    parser = OneLineParser(description="Train with FSDP / DDP / one device. Every setting is a "
+                           "flag; --config FILE.toml sets the same fields by [section].",
+                           allow_abbrev=False)
+    parser.add_argument("--config", default="", help="TOML file with [model], [data], [fsdp], "
+                        "[train], [checkpoint] tables")
     parser.add_argument("--export", metavar="CHECKPOINT_DIR", default=argparse.SUPPRESS,
-                        help="write CHECKPOINT_DIR/model.pt from a sharded checkpoint, then exit (given alone)")
+                        help="write CHECKPOINT_DIR/model.pt from a sharded checkpoint, "
+                             "then exit (given alone)")
     owner = {}  # flag -> the field that has it: a seam's setting may not reuse a trainer's flag
     for section, obj in sections(cfg or Config()).items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(obj):
-            flag = flag_name(f.name)
+            flag, dest = flag_name(f.name), f"{section}.{f.name}"
             if flag in owner:
-                raise BadInput(f"{owner[flag]} and {section}.{f.name} would both be {flag}: rename one")
-            owner[flag] = f"{section}.{f.name}"
-            kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+                raise BadInput(f"{owner[flag]} and {dest} would both be {flag}: rename one")
+            owner[flag] = dest
+            kw = dict(dest=dest, default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
             if field_type(section, f) is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             else:
-                group.add_argument(flag, type=field_type(section, f), choices=f.metadata.get("choices"), **kw)
+                group.add_argument(flag, type=field_type(section, f),
+                                   choices=f.metadata.get("choices"), **kw)
     return parser
 
 
 def set_field(cfg, section, key, value, source):
     sec = sections(cfg).get(section)
     if sec is None:
-        raise BadInput(f"{source}: unknown table [{section}]; valid tables: {', '.join(sections(cfg))}")
+        raise BadInput(f"{source}: unknown table [{section}]; "
+                       f"valid tables: {', '.join(sections(cfg))}")
     fields = {f.name: f for f in dataclasses.fields(sec)}
     if key not in fields:
         raise BadInput(f"{source}: unknown key {section}.{key}; valid keys: {', '.join(fields)}")
@@ -2494,7 +2513,8 @@ def set_field(cfg, section, key, value, source):
         raise BadInput(f"{source}: {section}.{key} = {value!r} must be of type {typ.__name__}")
     choices = fields[key].metadata.get("choices")
     if choices and value not in choices:
-        raise BadInput(f"{source}: {section}.{key} = {value!r}; valid values: {', '.join(map(repr, choices))}")
+        raise BadInput(f"{source}: {section}.{key} = {value!r}; "
+                       f"valid values: {', '.join(map(repr, choices))}")
     setattr(sec, key, value)
 
 
@@ -2535,7 +2555,8 @@ def parse_config(argv, cfg=None):
         name = cli.get(section, {}).get(key, file_values.get(section, {}).get(key, ""))
         if name and name not in named:
             where = "the command line" if key in cli.get(section, {}) else config_path
-            raise BadInput(f"{flag_name(key)} {name!r} (from {where}); valid values: {', '.join(named)}")
+            raise BadInput(f"{flag_name(key)} {name!r} (from {where}); "
+                           f"valid values: {', '.join(named)}")
         if name:
             layers.append((named[name], f"{key} {name}"))
     for values, where in layers + [(file_values, config_path), (cli, "command line")]:
@@ -2550,15 +2571,16 @@ def check_config(cfg):
     check_ranges(cfg)
     t, c = cfg.train, cfg.checkpoint
     if c.async_save and c.checkpoint_type != "sharded":
-        raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one file that rank 0 "
-                       "writes with torch.save)")
+        raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one "
+                       "file that rank 0 writes with torch.save)")
     if t.compile_mode == "reduce-overhead" and recomputes_compiled_blocks(cfg):
-        raise BadInput("--compile-mode reduce-overhead with --activation-checkpointing and --compile-scope blocks: "
-                       "CUDA graphs cannot record a block's recompute; use --compile-mode default or --compile-scope "
-                       "model")
+        raise BadInput("--compile-mode reduce-overhead with --activation-checkpointing and "
+                       "--compile-scope blocks: CUDA graphs cannot record a block's recompute; use "
+                       "--compile-mode default or --compile-scope model")
     if t.lr_schedule == "cosine" and t.lr_decay_steps and t.lr_decay_steps <= t.warmup_steps:
-        raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the cosine decay must end after the warmup "
-                       f"(--warmup-steps {t.warmup_steps}); give a larger step, or 0 for --max-steps")
+        raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the cosine decay must end after the "
+                       f"warmup (--warmup-steps {t.warmup_steps}); give a larger step, or 0 for "
+                       "--max-steps")
     seam_hooks(cfg, "check")
     check_strategy(cfg)
     # This project's files and optional packages, imported only when asked for; every rank checks.
@@ -2568,14 +2590,20 @@ def check_config(cfg):
             ("--optimizer muon", t.optimizer == "muon", ["muon"]),
             ("--float8", cfg.fsdp.float8, ["torchao"])):
         for module in modules if wanted else []:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                what = f"{module}.py beside train_fsdp.py (copy it from this project)"
-                package = module.split(".")[-1]
-                if module not in ("trackers", "muon"):
-                    what = f"the {package} package, which is not installed: pip install {package}"
-                raise BadInput(f"{flag} needs {what}") from None
+            import_optional(module, flag)
+
+
+def import_optional(module, flag):
+    """One of this project's companion files or an optional package, imported for `flag` only;
+    BadInput naming what to copy or install where it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[-1]
+        what = f"the {package} package, which is not installed: pip install {package}"
+        if module in ("trackers", "muon", "export"):
+            what = f"{module}.py beside train_fsdp.py (copy it from this project)"
+        raise BadInput(f"{flag} needs {what}") from None
 
 
 def check_ranges(cfg):
@@ -2668,4 +2696,5 @@ def resolve_config(cfg, topo, data):
 
 
 if __name__ == "__main__":
+    sys.modules["train_fsdp"] = sys.modules[__name__]  # what export.py imports: this, not a copy
     run()

@@ -269,8 +269,11 @@ def test_only_the_seams_settings_in_config_start_up_and_run_name(plain):
 
 
 def test_export_loads_into_the_repos_model(repo, plain):
+    """export.py copied beside the trainer: the repo's train.py --export writes a model.pt that
+    loads into the repo's model and gives the logged validation loss."""
     run_dir, _ = plain
     step4 = run_dir / "checkpoints" / "step_0000004"
+    shutil.copy(os.path.join(ROOT, "export.py"), repo)
     res = script_runner.run("train.py", ["--export", step4], repo, dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     model_lib, data_lib = repo_module(repo, "model"), repo_module(repo / "data", "tokens")
@@ -347,6 +350,18 @@ def test_a_flag_whose_file_was_not_copied_is_one_line(repo, flags, file):
     assert res.stderr.strip() == (f"error: {' '.join(flags[:2 if flags[0] == '--optimizer' else 1])} needs {file} "
                                   "beside train_fsdp.py (copy it from this project)")
     assert not (repo / "alone").exists()
+
+
+def test_export_without_its_file_is_one_line(tmp_path):
+    """The trainer copied alone: --export needs this project's export.py beside it, said in one
+    line; the checkpoint directory named is not touched."""
+    shutil.copy(os.path.join(ROOT, "train_fsdp.py"), tmp_path)
+    env = dict(clean_env(), PYTHONPATH="")
+    res = script_runner.run("train_fsdp.py", ["--export", "nowhere/checkpoints/latest"], tmp_path, env)
+    assert res.returncode == train_fsdp.EXIT_BAD_INPUT, res.stderr[-2000:]
+    assert res.stderr.strip() == ("error: --export needs export.py beside train_fsdp.py (copy it "
+                                  "from this project)")
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_a_nan_just_before_a_save_is_never_saved(repo):

@@ -113,7 +113,7 @@ MUTANTS = [
     dict(id="ckpt-latest-before-rename", file="train_fsdp.py", area="atomic publish",
          what="`latest` is written before the staging directory is renamed into place",
          old='    os.replace(tmp, path)\n    fsync_path(root)\n    write_text_atomic(os.path.join(root, "latest"), '
-             'name + "\\n")  # last: it names a complete checkpoint',
+             'name + "\\n")  # last: it names a complete one',
          new='    write_text_atomic(os.path.join(root, "latest"), name + "\\n")\n    os.replace(tmp, path)\n'
              '    fsync_path(root)',
          tests=["tests/test_checkpoint.py::test_latest_is_written_after_the_checkpoint_is_in_place"]),
