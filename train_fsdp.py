@@ -1033,7 +1033,7 @@ class NonFinite:
         self.first = torch.where(~finite & (self.first == self.NEVER), step, self.first)
 
     def check(self):
-        dist.all_reduce(self.first, op=dist.ReduceOp.MIN)  # in place: any change is raised below
+        dist.all_reduce(self.first, op=dist.ReduceOp.MIN)  # in place: not NEVER raises below
         if self.first.item() != self.NEVER:
             raise RunFailed(f"the loss or its gradient became NaN/inf at step {self.first.item()}; "
                             "stopped without saving that state (the latest checkpoint is still the "
@@ -1050,7 +1050,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     seams not given are this project's (see Seams); model_config / data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
     if argv[:1] == ["--export"] and len(argv) == 2:  # --export RUN/checkpoints/step_N alone
-        return import_optional("export", "--export").export_checkpoint(argv[1])
+        return import_optional("ckpt_export", "--export").export(argv[1], sys.modules[__name__])
     cfg, build_model, compute_loss, load_dataset = parse_with_seams(
         argv, build_model, compute_loss, load_dataset, model_config, data_config)
     topo = setup_distributed(cfg)
@@ -1362,7 +1362,7 @@ class Checkpointer:
         state = sharded_state(model, optimizer, opts)
         future = dcp.async_save(state, checkpoint_id=os.path.join(staging_path(path), "dcp"),
                                 storage_writer=self.writer, process_group=self.group)
-        return getattr(future, "upload_completion", future)  # if staging is async too: the write's
+        return getattr(future, "upload_completion", future)  # with async staging: the write's
 
     def publish_finished(self, wait=False):
         """At a step boundary, on every rank (a small all-reduce): publish the background save once
@@ -1755,10 +1755,10 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
                                 "weights with --init-from, or afresh with --overwrite (which "
                                 "deletes its checkpoints)")
             notes.append(f"{e}; trying an older checkpoint")
+    same_world = meta["world_size"] == topo.world
+    reseeded = "" if same_world else "; RNG streams re-seeded for the new world size"
     notes.append(f"resumed from {resume} in {time.perf_counter() - t0:.1f} s (step {meta['step']}, "
-                 f"saved by {meta['world_size']} processes" +
-                 ("" if meta["world_size"] == topo.world
-                  else "; RNG streams re-seeded for the new world size") + ")")
+                 f"saved by {meta['world_size']} processes{reseeded})")
     return meta["step"], meta["tokens_seen"]
 
 
@@ -1890,7 +1890,7 @@ def prepare_run_dir(cfg, rank, digests=None):
 
 def lock_run_dir(run_dir):
     """flock RUN_DIR/run.lock: a second launch is refused, naming the holder. The kernel drops the
-    lock however the run ends (killed too). Returns (file, or None without flock; notes)."""
+    lock however the run ends (killed too). Returns (the lock file or None without flock, notes)."""
     path = os.path.join(run_dir, RUN_LOCK)
     fh = open(path, "a+")
     try:
@@ -2017,7 +2017,8 @@ def schedule_change(cfg, before, start):
 def start_in(run_dir, step, cfg):
     """Rank 0, once the start is loaded: clear a stopped attempt's files, keep metrics to `step`."""
     root = os.path.join(run_dir, "checkpoints")
-    for name in [STOPPED_FILE] if step else [STOPPED_FILE, "training_log.txt"]:
+    stale = [STOPPED_FILE] if step else [STOPPED_FILE, "training_log.txt"]  # step 0: a new log
+    for name in stale:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, name))
     keep_metric_lines(os.path.join(run_dir, "metrics.jsonl"), step)
@@ -2310,10 +2311,10 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
         log.line(f"flight recorder: the last {os.environ['TORCH_FR_BUFFER_SIZE']} collectives per "
                  f"rank, dumped on a collective timeout (NCCL) to {flight_recorder_dumps()}<rank>")
     rows = min(t.eval_samples, n_val)
+    share = f"of {n_val:,} (--eval-samples {t.eval_samples})" if rows < n_val else "the whole split"
     log.line(f"evaluation: {f'every {t.eval_every} steps' if t.eval_every else 'at the end'}"
              f"{' and at each save (--keep-best)' if c.keep_best else ''} | {rows:,} validation "
-             "rows each, " + ("the whole split" if rows == n_val
-                              else f"of {n_val:,} (--eval-samples {t.eval_samples})"))
+             f"rows each, {share}")
     saves = f"every {c.save_every} steps" if c.save_every else "at the end"
     log.line(f"run directory: {t.out_dir} | checkpoints: {c.checkpoint_type}, {saves}"
              f"{' in the background (--async-save)' if c.save_every and c.async_save else ''}, "
@@ -2378,7 +2379,7 @@ def loss_precision(cfg):
 
 class Stopper:
     """Signals only set a flag: every rank finishes its step, saves and exits together (code 3). So
-    does a worker whose torchrun died of a signal it does not forward, not to train on alone."""
+    does a worker whose torchrun is gone: alone it would train on, unseen by a next launch."""
 
     LAUNCHER_GONE = 1000  # a stop reason beside the signal numbers, larger than any of them
 
@@ -2601,7 +2602,7 @@ def import_optional(module, flag):
     except ImportError:
         package = module.split(".")[-1]
         what = f"the {package} package, which is not installed: pip install {package}"
-        if module in ("trackers", "muon", "export"):
+        if module in ("trackers", "muon", "ckpt_export"):
             what = f"{module}.py beside train_fsdp.py (copy it from this project)"
         raise BadInput(f"{flag} needs {what}") from None
 
@@ -2696,5 +2697,4 @@ def resolve_config(cfg, topo, data):
 
 
 if __name__ == "__main__":
-    sys.modules["train_fsdp"] = sys.modules[__name__]  # what export.py imports: this, not a copy
     run()

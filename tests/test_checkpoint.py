@@ -36,8 +36,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import script_runner  # noqa: E402
 
+import ckpt_export  # noqa: E402
 import data as data_lib  # noqa: E402
-import export  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_distributed import TINY, assert_same, clean_env, launch, rank_envs, run_ranks  # noqa: E402
@@ -1081,7 +1081,7 @@ def test_exported_checkpoint_equals_a_full_checkpoint_of_the_same_step(ref2, tmp
     weights and logits equal those of a full-type run's step 6 (same config otherwise)."""
     step6 = shutil.copytree(os.path.join(ckpt_root(ref2["FULL_SHARD"][2]), "step_0000006"), tmp_path / "step6")
     assert not os.path.exists(os.path.join(step6, "model.pt"))
-    path = export.export_checkpoint(str(step6))
+    path = ckpt_export.export(str(step6), train_fsdp)
     payload = torch.load(path, weights_only=True)
     full = torch.load(os.path.join(ckpt_root(ref2["full"][2]), "step_0000006", "model.pt"), weights_only=True)
     assert payload["step"] == full["step"] == 6
@@ -1096,14 +1096,14 @@ def test_exported_checkpoint_equals_a_full_checkpoint_of_the_same_step(ref2, tmp
     # A full checkpoint already is one file: exporting it changes nothing.
     full_dir = os.path.join(ckpt_root(ref2["full"][2]), "step_0000006")
     before = open(os.path.join(full_dir, "model.pt"), "rb").read()
-    assert export.export_checkpoint(full_dir) == os.path.join(full_dir, "model.pt")
+    assert ckpt_export.export(full_dir, train_fsdp) == os.path.join(full_dir, "model.pt")
     assert open(os.path.join(full_dir, "model.pt"), "rb").read() == before
 
 
 def test_export_in_place_keeps_the_final_checkpoint_valid(ref2, tmp_path):
     step10 = shutil.copytree(os.path.join(ckpt_root(ref2["FULL_SHARD"][2]), "step_0000010"), tmp_path / "step10")
     assert "model.pt" in train_fsdp.check_checkpoint(str(step10))["files"]
-    export.export_checkpoint(str(step10))
+    ckpt_export.export(str(step10), train_fsdp)
     train_fsdp.check_checkpoint(str(step10))
 
 

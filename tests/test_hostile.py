@@ -44,8 +44,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import script_runner  # noqa: E402
 
+import ckpt_export  # noqa: E402
 import data as data_lib  # noqa: E402
-import export  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_checkpoint import (  # noqa: E402
@@ -492,7 +492,7 @@ def test_init_from_a_damaged_checkpoint_is_refused_before_anything_is_written(re
 def test_sample_on_a_damaged_export_is_one_line_and_the_export_records_its_size(run, tmp_path, capsys):
     step = shutil.copytree(os.path.join(run, "checkpoints", "step_0000001"), tmp_path / "step_0000001")
     saved = os.stat(step / "meta.json").st_mtime_ns
-    model_pt = export.export_checkpoint(str(step))
+    model_pt = ckpt_export.export(str(step), train_fsdp)
     # meta.json lists model.pt's size (its mtime, by which checkpoints are ordered, unchanged)
     assert train_fsdp.check_checkpoint(str(step))["files"]["model.pt"] == os.path.getsize(model_pt)
     assert os.stat(step / "meta.json").st_mtime_ns == saved

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import script_runner  # noqa: E402
 
-import export  # noqa: E402
+import ckpt_export  # noqa: E402
 import sample  # noqa: E402
 import train_fsdp  # noqa: E402
 from test_checkpoint import (  # noqa: E402
@@ -111,7 +111,7 @@ def test_init_from_export_and_sample_accept_the_best_marker(best_runs, tmp_path)
     assert train_fsdp.checkpoint_weights(best) == ("sharded", os.path.join(step2, "dcp"))  # --init-from
     with pytest.raises(FileNotFoundError, match="--export"):  # sharded: sample.py says how to export it
         sample.find_checkpoint(best)
-    assert export.export_checkpoint(best) == os.path.join(step2, "model.pt")
+    assert ckpt_export.export(best, train_fsdp) == os.path.join(step2, "model.pt")
     assert sample.find_checkpoint(best) == os.path.join(step2, "model.pt")
     assert torch.load(os.path.join(step2, "model.pt"), weights_only=True)["step"] == 2
 

@@ -195,7 +195,7 @@ auto_wrap = "module"
 
 
 def write_repo(path):
-    """The throwaway repo: its own modules, token files, and a copy of train_fsdp.py only."""
+    """The throwaway repo: its own modules, token files, and a copy of train_fsdp.py (the export test adds ckpt_export.py)."""
     (path / "data").mkdir(parents=True)
     (path / "model.py").write_text(REPO_MODEL)
     (path / "data" / "__init__.py").write_text('"""The repo\'s data package (prepare scripts, token files)."""\n')
@@ -269,11 +269,11 @@ def test_only_the_seams_settings_in_config_start_up_and_run_name(plain):
 
 
 def test_export_loads_into_the_repos_model(repo, plain):
-    """export.py copied beside the trainer: the repo's train.py --export writes a model.pt that
+    """ckpt_export.py copied beside the trainer: the repo's train.py --export writes a model.pt that
     loads into the repo's model and gives the logged validation loss."""
     run_dir, _ = plain
     step4 = run_dir / "checkpoints" / "step_0000004"
-    shutil.copy(os.path.join(ROOT, "export.py"), repo)
+    shutil.copy(os.path.join(ROOT, "ckpt_export.py"), repo)
     res = script_runner.run("train.py", ["--export", step4], repo, dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     model_lib, data_lib = repo_module(repo, "model"), repo_module(repo / "data", "tokens")
@@ -353,13 +353,13 @@ def test_a_flag_whose_file_was_not_copied_is_one_line(repo, flags, file):
 
 
 def test_export_without_its_file_is_one_line(tmp_path):
-    """The trainer copied alone: --export needs this project's export.py beside it, said in one
+    """The trainer copied alone: --export needs this project's ckpt_export.py beside it, said in one
     line; the checkpoint directory named is not touched."""
     shutil.copy(os.path.join(ROOT, "train_fsdp.py"), tmp_path)
     env = dict(clean_env(), PYTHONPATH="")
     res = script_runner.run("train_fsdp.py", ["--export", "nowhere/checkpoints/latest"], tmp_path, env)
     assert res.returncode == train_fsdp.EXIT_BAD_INPUT, res.stderr[-2000:]
-    assert res.stderr.strip() == ("error: --export needs export.py beside train_fsdp.py (copy it "
+    assert res.stderr.strip() == ("error: --export needs ckpt_export.py beside train_fsdp.py (copy it "
                                   "from this project)")
     assert not (tmp_path / "nowhere").exists()
 
