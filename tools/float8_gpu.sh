@@ -5,8 +5,9 @@
 #   speed    --size 1b under fsdp2, compiled, 12 x 4 rows of 2,048 a step (tools/speed_gpu.sh's 1b
 #            flags): each of RUNS (default "bf16 tensorwise rowwise") in turn, measured by
 #            tools/startup_bench.py (median after 4 steps).
-#   quality  --size 1b on Python's own library as bytes, STEPS (300) steps, side by side on the GPU:
-#            each of RUNS at each of SEEDS (default "7"), the validation losses (tools/first_result.py).
+#   quality  --size SIZE (1b; LAYERS=N keeps N blocks) on Python's own library as bytes, STEPS (300)
+#            steps of GB (16) rows of 1,024, MB (8) a micro-batch, side by side on the GPU: each of
+#            RUNS at each of SEEDS (default "7"), the validation losses (tools/first_result.py).
 set -uo pipefail
 R=$1; shift; mkdir -p "$R"; W=/tmp/float8; rm -rf $W; mkdir -p $W
 export PYTHONUNBUFFERED=1
@@ -28,7 +29,8 @@ for name in "$@"; do
     B="--dataset $W/corpus.txt --tokenizer-type char --tokenizer-vocab-size 256 --val-fraction 0.02 \
  --seq-len 1024 --cache-dir $W/data"
     python data.py $B
-    RUN="$T $B --size 1b --arch baseline --global-batch 16 --micro-batch 8 --lr 3e-4 --warmup-steps 30 \
+    RUN="$T $B --size ${SIZE:-1b} ${LAYERS:+--n-layer $LAYERS} --arch baseline --global-batch ${GB:-16} \
+ --micro-batch ${MB:-8} --lr 3e-4 --warmup-steps 30 \
  --max-steps ${STEPS:-300} --eval-every 50 --eval-samples 256 --log-every 25 --no-save-final --compile --overwrite \
  --strategy none"
     for s in ${SEEDS:-7}; do
