@@ -466,13 +466,17 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
 
 def to_float8(blocks, recipe):
     """--float8, before wrapping as torchtitan does: the blocks' Linear layers cast to float8 for
-    each matmul (sides multiples of 16), the head does not. Returns how many were converted."""
+    each matmul (sides multiples of 16), the head does not. torchao swaps in new layers: each keeps
+    the marks its model set on the old (model.py's residual_out, read by --meta-init's init)."""
     float8 = importlib.import_module("torchao.float8")
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     for b in blocks:
+        old = dict(b.named_modules())
         float8.convert_to_float8_training(
             b, config=config,
             module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        for name, new in b.named_modules():
+            new.__dict__.update({k: v for k, v in vars(old[name]).items() if k not in vars(new)})
     return sum(type(m).__name__ == "Float8Linear" for b in blocks for m in b.modules())
 
 
@@ -497,7 +501,6 @@ def gradient_sync(model, cfg, last):
 
 
 def clip_gradients(model, cfg):
-    """The global gradient norm, clipped when --grad-clip > 0."""
     limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     return strategy_of(cfg).clip(model, limit)
 
@@ -639,7 +642,6 @@ def device_mesh(cfg, topo):
 
 
 def hybrid_shard_size(cfg, topo):
-    """Processes per shard group for HYBRID_SHARD*: the flag, or the processes of one node."""
     return cfg.fsdp.hybrid_shard_size or topo.local_world
 
 
@@ -936,8 +938,7 @@ def lr_at(step, peak, cfg, max_steps):
 
 
 def micro_batches(data, step, cfg, plan, topo):
-    """This rank's micro-batches of step `step` on its device, and the seconds spent fetching them.
-    Micro-batch m of rank r is rows [(m * world + r) * micro, ... + micro) of the global batch."""
+    """This rank's micro-batches of `step` on its device, and the seconds spent fetching them."""
     t0 = time.perf_counter()
     batches = []
     for m in range(plan.accum):
@@ -1146,7 +1147,6 @@ def finish(val, log, stopper, lock, topo):
 
 
 def should_save(step, cfg, last, stop):
-    """Every --save-every steps, at the end (--save-final), and on a stop signal."""
     c = cfg.checkpoint
     return stop != 0 or (c.save_every > 0 and step % c.save_every == 0) or (last and c.save_final)
 
@@ -1290,7 +1290,6 @@ def init_weights(model, order, init_fn):
 
 
 def meta_init_module(model, cfg):
-    """The model's init_module, which --meta-init requires (the error below says why)."""
     if cfg.fsdp.meta_init and not hasattr(model, "init_module"):
         raise BadInput(f"--meta-init: {type(model).__name__} has no init_module(module): whatever "
                        "its __init__ does to the weights would run on the meta device and be lost; "
@@ -2595,8 +2594,7 @@ def check_config(cfg):
 
 
 def import_optional(module, flag):
-    """One of this project's companion files or an optional package, imported for `flag` only;
-    BadInput naming what to copy or install where it is missing."""
+    """One of this project's companion files or an optional package, imported for `flag` only."""
     try:
         return importlib.import_module(module)
     except ImportError:

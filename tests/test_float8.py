@@ -45,3 +45,20 @@ def test_float8_with_nothing_to_convert_is_bad_input(tmp_path):
                                   "--cache-dir", str(tmp_path / "cache")])
     assert str(e.value) == "--float8 needs Linear layers in the blocks with sides multiples of 16"
     assert not (tmp_path / "run").exists()
+
+
+def test_float8_layers_start_from_the_models_init_under_meta_init(tmp_path):
+    """torchao swaps each Linear for a new Float8Linear, before --meta-init initialises the model:
+    the new layer keeps the marks model.py set (residual_out: std / sqrt(2 * n_layer)), so the
+    weights start as without float8. One step at a rate of 1e-9 moves them by about 1e-9."""
+    pytest.importorskip("torchao", reason="pip install torchao (.ci/run does)")
+    weights = {}
+    for name, flags in (("bf16", []), ("float8", ["--float8", "tensorwise"])):
+        run = str(tmp_path / name)
+        train_fsdp.main(FLOAT8 + flags + ["--meta-init", "--max-steps", "1", "--lr", "1e-9", "--out-dir", run,
+                                          "--cache-dir", str(tmp_path / "cache")])
+        path = os.path.join(run, "checkpoints", "step_0000001", "model.pt")
+        weights[name] = torch.load(path, weights_only=True)["model"]
+    assert weights["float8"].keys() == weights["bf16"].keys()
+    for key, w in weights["bf16"].items():
+        torch.testing.assert_close(weights["float8"][key], w, rtol=0, atol=1e-6, msg=key)
