@@ -2597,7 +2597,9 @@ def import_optional(module, flag):
     """One of this project's companion files or an optional package, imported for `flag` only."""
     try:
         return importlib.import_module(module)
-    except ImportError:
+    except ImportError as e:
+        if e.name not in (None, module, module.split(".")[0]):
+            raise  # it is there, but something it imports is not: its traceback says what
         package = module.split(".")[-1]
         what = f"the {package} package, which is not installed: pip install {package}"
         if module in ("trackers", "muon", "ckpt_export"):

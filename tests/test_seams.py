@@ -352,6 +352,15 @@ def test_a_flag_whose_file_was_not_copied_is_one_line(repo, flags, file):
     assert not (repo / "alone").exists()
 
 
+def test_a_companion_whose_own_import_fails_says_so(repo):
+    """muon.py copied, but what it imports is missing: the traceback names that module, and does
+    not ask for muon.py to be copied."""
+    (repo / "muon.py").write_text("import a_module_that_is_not_installed\n")
+    res = launch(repo, ["--strategy", "none", "--out-dir", "broken", "--optimizer", "muon"])
+    assert res.returncode == 1 and "No module named 'a_module_that_is_not_installed'" in res.stderr, res.stderr
+    assert "copy it from this project" not in res.stderr
+
+
 def test_export_without_its_file_is_one_line(tmp_path):
     """The trainer copied alone: --export needs this project's ckpt_export.py beside it, said in one
     line; the checkpoint directory named is not touched."""
