@@ -394,9 +394,11 @@ def in_order(fn, items, workers: int, initializer=None, initargs=()):
             initializer(*initargs)
         yield from map(fn, items)
         return
-    # fork: the workers need no imports and no pickled tokenizer, and they never touch a GPU.
-    fork = multiprocessing.get_context("fork")
-    with concurrent.futures.ProcessPoolExecutor(workers, fork, initializer, initargs) as pool:
+    # forkserver, not fork: the trainer builds in a thread while its main thread waits in a
+    # collective, and a fork copies the locks other threads hold, which the child may then need.
+    # The server imports the main module once, then forks each worker from one thread.
+    server = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(workers, server, initializer, initargs) as pool:
         pending = collections.deque()
         try:
             for item in items:

@@ -2,7 +2,9 @@
 corpora whose documents and lines straddle the parts the processes take; `python data.py` builds
 the cache a run would; and ranks wait for a build longer than the collective timeout."""
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -266,3 +268,18 @@ def test_a_build_that_dies_stops_every_rank_with_one_error_line(tmp_path):
     assert ranks[0].stderr.strip().splitlines()[-1] == "error: No space left on device: cache/train.bin"
     assert "Traceback" not in ranks[0].stderr + ranks[1].stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def parent_pid(_):
+    return os.getppid()
+
+
+def test_workers_are_not_forked_from_the_building_process():
+    """The trainer builds the cache in a thread (rank0_does) while its main thread waits in a collective:
+    a fork from that process copies locks other threads hold, which a child may then wait on forever.
+    The workers are forked by a server process, single-threaded, never by the process that builds."""
+    parents = []
+    build = threading.Thread(target=lambda: parents.extend(data.in_order(parent_pid, list(range(4)), 2)))
+    build.start()
+    build.join()
+    assert len(parents) == 4 and os.getpid() not in parents, parents
