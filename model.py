@@ -12,6 +12,7 @@ FreeTransformer:  the same decoder, split in two halves. Between them a non-caus
 DecoderBlock is the unit that FSDP wraps and activation checkpointing recomputes.
 """
 
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -581,6 +582,13 @@ def lm_loss(logits, targets, latent=None, kappa=0.0):
     total = ce + torch.clamp(kl - kappa, min=0.0).mean()
     return total, {"ce": ce.detach(), "kl": kl.mean().detach(),
                    "r_rms_ratio": latent["r_rms_ratio"]}
+
+
+@functools.cache
+def compiled_lm_loss():
+    """lm_loss compiled (the trainer's --compile): the cross-entropy over the vocabulary runs fused,
+    without fp32 copies of the logits. Made on first use, since torch.compile loads dynamo."""
+    return torch.compile(lm_loss)
 
 
 def comparable_losses(model, x, y, parts):

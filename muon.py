@@ -41,6 +41,15 @@ class Muon(torch.optim.AdamW):
         return p.grad.lerp(momentum, 0.95)  # Nesterov momentum, 0.95
 
 
+def hidden_matrices(model, wrap_classes):
+    """Names of the parameters Muon orthogonalises: the model's muon_filter(name, p) if any, else
+    the 2-D weights in the FSDP unit classes (blocks). Embeddings and head: AdamW."""
+    if hasattr(model, "muon_filter"):
+        return {n for n, p in model.named_parameters() if model.muon_filter(n, p)}
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, tuple(wrap_classes))]
+    return {f"{name}.{n}" for name, m in blocks for n, p in m.named_parameters() if p.dim() == 2}
+
+
 def orthogonalised(updates, dtype, steps=5):
     """Newton-Schulz (Muon's quintic) on matrices of one shape, towards the nearest
     semi-orthogonal ones, returned in `dtype`. Under fsdp2 the row shards are traded (Shard(1) of

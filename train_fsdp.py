@@ -63,14 +63,20 @@ from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
+    OffloadPolicy,
     ShardingStrategy,
     fully_shard,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.fsdp.wrap import (
+    ModuleWrapPolicy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -122,9 +128,10 @@ class TrainConfig:
     seed: int = opt(1337, "seed for init, data order and sampling")
     global_batch: int = opt(64, "sequences per optimizer step, over all ranks", valid=">= 1")
     micro_batch: int = opt(0, "rows per rank per forward; 0 = global_batch / world", valid=">= 0")
-    grad_accum_mode: str = opt("auto", "auto (fsdp: sync, since its no_sync accumulates in "
-                               "param_dtype; else no_sync), no_sync (reduce once a step) or sync "
-                               "(every micro-batch)", ["auto", "no_sync", "sync"])
+    grad_accum_mode: str = opt("auto", "auto (fsdp, fsdp2: sync, as no_sync holds gradients "
+                               "unsharded, fsdp's in param_dtype; ddp, none: no_sync), no_sync "
+                               "(reduce once a step) or sync (every micro-batch)",
+                               ["auto", "no_sync", "sync"])
     max_steps: int = opt(0, "optimizer steps; 0 = derived from --epochs", valid=">= 0")
     epochs: float = opt(1.0, "passes over the training set when --max-steps is 0", valid="> 0")
     lr: float = opt(1e-3, "peak learning rate", valid="> 0")
@@ -224,14 +231,6 @@ USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before this pr
 # A collective that waits longer fails. rank0_does keeps the others waiting for longer work.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
-# Warnings torch prints on every rank for choices made here on purpose (FSDP1's ShardedTensor
-# state dicts, NO_SHARD on one process, gloo+nccl groups): silenced so rank 0's log stays readable.
-for pattern in ("Please use DTensor instead", "_get_pg_default_device",
-                "Multiple backends are registered", "FSDP is switching to use `NO_SHARD`",
-                "When using ``NO_SHARD``", "torch.distributed.checkpoint"):
-    warnings.filterwarnings("ignore", message=f".*{pattern}")
-
-
 class BadInput(Exception):
     """A mistake in what the user asked for: reported in one line, exit code 2."""
 
@@ -266,19 +265,12 @@ def compute_loss(model, x, y, cfg):
     the figure runs are compared by: the CE, or the Free Transformer's bound CE + KL."""
     model_lib = project_module("model")
     logits, latent = model(x)
-    lm_loss = compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss
+    lm_loss = model_lib.compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss
     loss, parts = lm_loss(logits, y, latent, cfg.model.kappa)
     if latent is not None and not model.training:
         loss, comparable = model_lib.comparable_losses(model, x, y, parts)
         parts.update(comparable)
     return loss, parts
-
-
-@functools.cache
-def compiled_lm_loss():
-    """The loss compiled: the cross-entropy over the vocabulary runs fused, without fp32 copies of
-    the logits. Made on first use, since torch.compile loads dynamo."""
-    return torch.compile(project_module("model").lm_loss)
 
 
 class BatchSource(typing.Protocol):
@@ -352,8 +344,8 @@ def launch_env():
 def setup_distributed(cfg):
     """The process group, one per run, and this process's device."""
     rank, world, local_rank, local_world = launch_env()
-    if cfg.train.debug:
-        debug_env(cfg.train.out_dir or "runs")
+    if cfg.train.debug:  # debugging.py: torch's and NCCL's debug logging, the flight recorder
+        import_optional("debugging", "--debug").debug_env(cfg.train.out_dir or "runs")
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs "
@@ -383,63 +375,17 @@ def group_backends(cfg, backend):
     return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_grads else backend
 
 
-def rank0_does(fn, rank, failure=BadInput, what="its file work"):
-    """Run fn on rank 0 only (file work: a token cache, a checkpoint); every rank returns its result
-    or raises failure(its error): no rank is left waiting alone. No collective times out however
-    long fn takes: rank 0 runs it in a thread and says every COLLECTIVE_TIMEOUT / 10 it is at it."""
-    box = [None, None]  # error, result
-    if rank == 0:
-        work = threading.Thread(target=run_into, args=(fn, box), daemon=True)
-        work.start()
-    for beat in itertools.count():
-        if rank == 0:
-            work.join(COLLECTIVE_TIMEOUT.total_seconds() / 10)
-        message = [work.is_alive() if rank == 0 else None, *box]  # still working, error, result
-        dist.broadcast_object_list(message, src=0)
-        if not message[0]:
-            break
-        node_first = rank - launch_env()[2]
-        if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of a node says it
-            print(f"rank {rank}: waiting for rank 0 ({what}), with no time limit", flush=True)
-    if message[1]:
-        raise failure(message[1])
-    return message[2]
-
-
-def run_into(fn, box):
-    try:
-        box[1] = fn()
-    except Exception as e:  # anything (a full disk, not a checkpoint) must stop every rank
-        box[0] = error_line(e)
-
-
-def any_rank_error(error, topo):
-    """The first error (a string, or None) of any rank, on every rank."""
-    errors = [None] * topo.world
-    dist.all_gather_object(errors, error, group=topo.control)
-    return next((e for e in errors if e), None)
-
-
-def error_line(e):
-    """One line for an exception: ours and a seam's ValueError as is, an OSError by its file."""
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}: {e.filename}"
-    if isinstance(e, (BadInput, RunFailed, ValueError)):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
-
-
 # =============================================================================================
-# Wrapping, precision, gradient sync: a Strategy names all a --strategy decides; each of the three
-# sections after this one fills it for a strategy, read in one place. Others ask strategy_of(cfg).
+# Strategies: a Strategy names all that a --strategy decides. The next three sections fill one each
+# (FSDP1, FSDP2, then DDP and one device), each opening with its wrapping; others ask the strategy.
 
 
 @dataclass(frozen=True)
 class Strategy:
-    wrap: typing.Callable  # (model, units, blocks, cfg, topo, init_fn) -> the model to train
+    wrap: typing.Callable  # (model, policy, blocks, cfg, topo, init_fn) -> the model to train
     no_sync: typing.Callable  # (model) -> a context whose backward does not reduce gradients
     clip: typing.Callable  # (model, limit) -> the global gradient norm, clipped to limit
-    scaler: type  # fp16's loss scaler
+    scaler: type  # fp16's loss scaler: it sees an overflow in any rank's gradients
     resolve: typing.Callable  # (cfg, topo): the defaults it decides, changed ones said
     shards: bool = False  # FSDP: units on a device mesh, cast by a mixed-precision policy
     compiles_units: bool = False  # --compile compiles each block as a module, not in place
@@ -454,105 +400,295 @@ def strategy_of(cfg):
     return STRATEGIES[cfg.train.strategy]
 
 
+# =============================================================================================
+# --strategy fsdp: FSDP1, FullyShardedDataParallel. Its auto-wrap policy (wrap_policy) makes units,
+# each gathered only for its own forward and backward; MixedPrecision casts.
+
+
+def wrap_fsdp1(model, policy, blocks, cfg, topo, init_fn):
+    """Compile in place (dynamo would trace FSDP1's own forward: dozens of frames, each guarded
+    every step), checkpoint, then wrap. --meta-init: param_init_fn materialises unit by unit."""
+    f = cfg.fsdp
+    compile_in_place(model, blocks, cfg, whole=True)
+    checkpoint_blocks(blocks, f)
+    precision = MixedPrecision(param_dtype=DTYPES[f.param_dtype],
+                               reduce_dtype=DTYPES[f.reduce_dtype],
+                               buffer_dtype=DTYPES[f.buffer_dtype])
+    prefetch = None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch]
+    return FSDP(model, auto_wrap_policy=policy,
+                sharding_strategy=ShardingStrategy[f.sharding_strategy], mixed_precision=precision,
+                backward_prefetch=prefetch, forward_prefetch=f.forward_prefetch,
+                limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
+                cpu_offload=CPUOffload(offload_params=f.cpu_offload),
+                sync_module_states=f.sync_module_states,
+                param_init_fn=meta_init_fn(model, init_fn, topo) if f.meta_init else None,
+                device_id=topo.device,  # on CPU too: without it FSDP1 asks for an accelerator
+                device_mesh=topo.mesh)
+
+
+def wrap_policy(model, wrap_classes, cfg):
+    """FSDP1's auto_wrap_policy, whose units FSDP2 shards too: ModuleWrapPolicy over the blocks, a
+    lambda policy, torch's size rule; or none, the root one unit (auto, below ONE_UNIT_BELOW)."""
+    f, blocks = cfg.fsdp, tuple(wrap_classes)
+    if one_unit(f, parameter_count(model)):
+        return None
+    if f.auto_wrap == "size":
+        return functools.partial(size_policy, min_num_params=f.min_num_params,
+                                 tied=modules_sharing_outside(model))
+    if f.auto_wrap == "lambda":
+        return functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, blocks))
+    return ModuleWrapPolicy(wrap_classes)
+
+
+def size_policy(module, recurse, nonwrapped_numel, min_num_params, tied):
+    """torch's size_based_auto_wrap_policy, but never a module that shares a parameter with one
+    outside it (a tied embedding): in a unit apart from its twin, FSDP frees what the twin reads."""
+    large = size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params)
+    return large and (recurse or module not in tied)
+
+
+def modules_sharing_outside(model):
+    holders = collections.defaultdict(set)  # parameter -> the modules that hold it directly
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders[p].add(m)
+    return {m for m in model.modules() if any(holders[p] - {*m.modules()} for p in m.parameters())}
+
+
+def resolve_fsdp1(cfg, topo):
+    t, f = cfg.train, cfg.fsdp
+    if t.grad_accum_mode == "auto":
+        # sync: no_sync holds every gradient unsharded, and in param_dtype. --cpu-offload needs it.
+        t.grad_accum_mode = "no_sync" if f.cpu_offload else "sync"
+        if f.cpu_offload and f.param_dtype != f.reduce_dtype:
+            say(topo, "--cpu-offload: accumulating with no_sync (FSDP1 offload allows no other), "
+                f"in {f.param_dtype}")
+    if t.compile and not f.use_orig_params:
+        f.use_orig_params = True
+        say(topo, "--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
+
+
+STRATEGIES["fsdp"] = Strategy(
+    wrap=wrap_fsdp1, resolve=resolve_fsdp1, no_sync=lambda model: model.no_sync(),
+    # its own clip_grad_norm_ and scaler: torch.nn.utils' and amp's would see this rank's shard
+    clip=lambda model, limit: model.clip_grad_norm_(limit), scaler=ShardedGradScaler,
+    # Its sharded state dict copies shards on the GPU: to the host as made, or a save could OOM.
+    shards=True, copies_shards=True)
+
+
+# =============================================================================================
+# --strategy fsdp2: FSDP2, fully_shard on each unit and then the root, in torchtitan's order.
+# MixedPrecisionPolicy casts; set_requires_gradient_sync(False) is its no_sync.
+
+
+def wrap_fsdp2(model, policy, blocks, cfg, topo, init_fn):
+    """Activation checkpointing, compile, shard, then materialise a model built on the meta device:
+    each rank allocates only its shards, and they hold what one process would have initialised."""
+    units = units_of(model, policy)
+    checkpoint_blocks(blocks, cfg.fsdp)
+    compiled = compile_blocks(model, blocks, cfg)  # block -> the compiled module in its place
+    last = compiled.get(blocks[-1], blocks[-1]) if blocks else None
+    shard_fsdp2(model, [compiled.get(u, u) for u in units], last, cfg, topo)
+    materialise_fsdp2(model, units, init_fn, cfg, topo)
+    n = parameter_count(model)
+    if cfg.train.compile and not compiles_blocks(cfg, n):
+        model = torch.compile(model, mode=compile_mode(cfg, n))
+    return model
+
+
+def compile_blocks(model, blocks, cfg):
+    """--compile of each block, as a module that takes the block's place (torchtitan's): the block's
+    checkpoint runs inside the graph, and fully_shard hooks the compiled module."""
+    n, compiled = parameter_count(model), {}
+    if not (cfg.train.compile and compiles_blocks(cfg, n)):
+        return compiled
+    names = {b: name for name, b in model.named_modules()}
+    for b in blocks:
+        parent, _, child = names[b].rpartition(".")
+        compiled[b] = torch.compile(b, mode=compile_mode(cfg, n))
+        model.get_submodule(parent).register_module(child, compiled[b])
+    return compiled
+
+
+def shard_fsdp2(model, units, last, cfg, topo):
+    """fully_shard on each unit, children first, then on the root, whose unit holds the rest. The
+    last block and the root run first in backward: they stay gathered after forward."""
+    f = cfg.fsdp
+    reshard = fsdp2_reshards(f)
+    offload = OffloadPolicy()
+    if f.cpu_offload:  # pinned host memory needs a GPU
+        offload = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+    # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2 casts
+    # every unit's, the fp32 rotary tables the blocks receive included.
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], cast_forward_inputs=False,
+                              reduce_dtype=DTYPES[f.reduce_dtype])
+    for unit in units:
+        fully_shard(unit, mesh=topo.mesh, reshard_after_forward=reshard and unit is not last,
+                    mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=topo.mesh, reshard_after_forward=False, offload_policy=offload,
+                mp_policy=dataclasses.replace(mp, cast_forward_inputs=True))
+    if f.forward_prefetch:
+        forward_prefetch_in_run_order(model, units)
+
+
+@torch.no_grad()
+def materialise_fsdp2(model, units, init_fn, cfg, topo):
+    """--meta-init: to_empty allocates this rank's shards; each module is then initialised in
+    FSDP1's order on full-size tensors, this rank keeping its shard: the weights one process has."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    model.to_empty(device="cpu" if cfg.fsdp.cpu_offload else topo.device)
+    names = {m: name or type(model).__name__ for name, m in model.named_modules()}
+    done = set()  # a shared parameter (tied embedding and head) is initialised by its first holder
+    for m in init_order(model, units):
+        own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor) and p not in done}
+        done.update(own.values())
+        full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                for n, p in own.items()}
+        plain = {n: t for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
+                 if t is not None and not isinstance(t, DTensor)}
+        try:
+            for n, t in full.items():
+                m._parameters[n] = torch.nn.Parameter(t, requires_grad=own[n].requires_grad)
+            init_tensors(m, names[m], {**plain, **full}, init_fn)
+        finally:
+            m._parameters.update(own)
+        for n, p in own.items():
+            shard = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+
+
+def fsdp2_reshards(f):
+    """reshard_after_forward: FULL_SHARD and HYBRID_SHARD (ZeRO-2 keeps the gathered ones)."""
+    return f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def forward_prefetch_in_run_order(root, units):
+    """--forward-prefetch: each unit issues the next one's all-gather in forward, in the first
+    forward's order (hooks record it, then go): the Free Transformer's sampler runs mid-stack."""
+    order, handles = [], []
+
+    def ran(module, args):
+        if module not in order:
+            order.append(module)
+
+    def done(module, args, output):
+        for h in handles:
+            h.remove()
+        for a, b in zip(order, order[1:]):
+            a.set_modules_to_forward_prefetch([b])
+    handles += [m.register_forward_pre_hook(ran) for m in [root] + units]
+    handles.append(root.register_forward_hook(done))
+
+
+@contextlib.contextmanager
+def fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_norm(model, limit):
+    """torch's clip. Under FSDP2 the norm is a DTensor: its full value is the global norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def resolve_fsdp2(cfg, topo):
+    t, f = cfg.train, cfg.fsdp
+    if topo.world == 1 and fsdp2_reshards(f) and not f.cpu_offload:
+        say(topo, f"--strategy fsdp2 with 1 process: {f.sharding_strategy} would reshard only to "
+            "gather again in backward; using SHARD_GRAD_OP")
+        f.sharding_strategy = "SHARD_GRAD_OP"
+    if t.grad_accum_mode == "auto":
+        # sync, as torchtitan does: no_sync holds every gradient unsharded, in reduce_dtype (fp32:
+        # 4 bytes a parameter on every rank); sync costs a reduce-scatter a micro-batch.
+        t.grad_accum_mode = "sync"
+
+
+STRATEGIES["fsdp2"] = Strategy(
+    wrap=wrap_fsdp2, resolve=resolve_fsdp2, no_sync=fsdp2_no_sync,
+    # torch's clip and amp's scaler see every shard: the gradients are DTensors
+    clip=clip_norm, scaler=torch.amp.GradScaler, shards=True, compiles_units=True,
+    # With --cpu-offload its gradients stay on the host, where clipping all-reduces their norm:
+    # on GPUs the group then needs gloo for CPU tensors too, as torchtitan's does.
+    host_grads=True)
+
+
+# =============================================================================================
+# --strategy ddp and none: every process holds the whole model (DDP all-reduces the gradients;
+# none is one process). torch.autocast casts, and the weights stay fp32.
+
+
+def wrap_whole(model, policy, blocks, cfg, topo, init_fn, ddp=False):
+    """Compile the blocks in place (or the model after wrapping), checkpoint, materialise a meta
+    model by module, in FSDP1's order, then DDP: gradients as views into its buckets."""
+    n = parameter_count(model)
+    compile_in_place(model, blocks, cfg, whole=False)
+    checkpoint_blocks(blocks, cfg.fsdp)
+    if cfg.fsdp.meta_init:
+        materialise = meta_init_fn(model, init_fn, topo)
+        for m in init_order(model, units_of(model, policy)):
+            materialise(m)
+    model = model.to(topo.device)
+    if ddp:
+        model = DDP(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if cfg.train.compile and not compiles_blocks(cfg, n):
+        model = torch.compile(model, mode=compile_mode(cfg, n))
+    return model
+
+
+def accumulate_with_no_sync(cfg, topo):
+    """--grad-accum-mode auto: no_sync, one reduction a step. It costs no memory here: DDP's
+    gradient is the whole model's anyway, accumulated in fp32 like the weights."""
+    if cfg.train.grad_accum_mode == "auto":
+        cfg.train.grad_accum_mode = "no_sync"
+
+
+STRATEGIES["ddp"] = Strategy(
+    wrap=functools.partial(wrap_whole, ddp=True), resolve=accumulate_with_no_sync,
+    no_sync=lambda model: model.no_sync(), clip=clip_norm, scaler=torch.amp.GradScaler)
+
+STRATEGIES["none"] = dataclasses.replace(  # DDP's, without DDP: one process, nothing to reduce
+    STRATEGIES["ddp"], wrap=wrap_whole, no_sync=lambda model: contextlib.nullcontext())
+
+
+# =============================================================================================
+# What the strategies share: wrap_model, which hands the model to its strategy; the units; compile,
+# activation checkpointing; precision; the device mesh.
+
+
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     """The model wrapped by its strategy, with activation checkpointing and compile in its order.
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
-    units = shard_units(model, wrap_classes, cfg)
-    if cfg.fsdp.float8 and not to_float8(blocks, cfg.fsdp.float8):
+    # float8 swaps in new Linear layers: before the units are chosen, which must be the new ones
+    float8 = import_optional("float8", "--float8") if cfg.fsdp.float8 else None  # float8.py
+    if float8 and not float8.to_float8(blocks, cfg.fsdp.float8):
         raise BadInput("--float8 needs Linear layers in the blocks with sides multiples of 16")
-    return strategy_of(cfg).wrap(model, units, blocks, cfg, topo, init_fn)
+    policy = wrap_policy(model, wrap_classes, cfg)
+    return strategy_of(cfg).wrap(model, policy, blocks, cfg, topo, init_fn)
 
 
-def to_float8(blocks, recipe):
-    """--float8, before wrapping as torchtitan does: the blocks' Linear layers cast to float8 for
-    each matmul (sides multiples of 16), the head does not. torchao swaps in new layers: each keeps
-    the marks its model set on the old (model.py's residual_out, read by --meta-init's init)."""
-    float8 = importlib.import_module("torchao.float8")
-    config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    for b in blocks:
-        old = dict(b.named_modules())
-        float8.convert_to_float8_training(
-            b, config=config,
-            module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
-        for name, new in b.named_modules():
-            new.__dict__.update({k: v for k, v in vars(old[name]).items() if k not in vars(new)})
-    return sum(type(m).__name__ == "Float8Linear" for b in blocks for m in b.modules())
-
-
-def precision_context(cfg, device):
-    """FSDP casts by its mixed-precision policy: the model computes in param_dtype. DDP and one
-    device autocast instead (weights, residual stream fp32); --autocast adds autocast to FSDP."""
-    if not autocasts(cfg):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype])
-
-
-def autocasts(cfg):
-    return cfg.fsdp.param_dtype != "fp32" and (not strategy_of(cfg).shards or cfg.fsdp.autocast)
-
-
-def gradient_sync(model, cfg, last):
-    """Around one micro-batch's forward and backward (no_sync must cover both): gradients are
-    reduced on the step's last micro-batch, or on every one under --grad-accum-mode sync."""
-    if last or cfg.train.grad_accum_mode == "sync":
-        return contextlib.nullcontext()
-    return strategy_of(cfg).no_sync(model)
-
-
-def clip_gradients(model, cfg):
-    limit = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    return strategy_of(cfg).clip(model, limit)
-
-
-def grad_scaler(cfg, device):
-    """fp16 needs loss scaling; the strategy's scaler sees an overflow in any rank's gradients."""
-    if cfg.fsdp.param_dtype != "fp16":
-        return None
-    return strategy_of(cfg).scaler(device.type)
-
-
-def state_dict_options(purpose, device=None, meta=None):
-    """By purpose. "sharded save": a strategy that copies its shards sends them to the host as
-    made. "save": in full, on the host, on every rank (FSDP1's rank-0-only gather frees storage
-    it then reads). "init": keys the model lacks."""
-    if purpose == "sharded save":
-        cfg, gpus = meta["config"], meta["world_size"] > 1 and device.type == "cuda"
-        sharded = cfg["fsdp"]["sharding_strategy"] != "NO_SHARD"
-        copies = STRATEGIES[cfg["train"]["strategy"]].copies_shards and sharded
-        return StateDictOptions(cpu_offload=copies and gpus)
-    if purpose == "save":
-        return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
-    return StateDictOptions(full_state_dict=True, strict=purpose != "init")
-
-
-def shard_units(model, wrap_classes, cfg):
-    """FSDP units, children first: the block classes (--auto-wrap module, lambda), or bottom-up by
-    --min-num-params (size). A module sharing a parameter outside itself stays in the root."""
-    f = cfg.fsdp
-    if one_unit(f, parameter_count(model)):
-        return []  # the root's unit holds everything
-    holders = {}  # parameter -> the modules that hold it directly
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            holders.setdefault(p, []).append(m)
+def units_of(model, policy):
+    """The modules FSDP1's auto-wrap makes units under `policy`, children first as it wraps them:
+    FSDP2's units, and the order --meta-init materialises them in under every strategy."""
     units, taken = [], set()
 
     def visit(m):
-        for child in m.children():
-            visit(child)
-        if f.auto_wrap == "size":  # as FSDP1's size policy: never a ModuleList / ModuleDict
-            free = sum(p.numel() for p in m.parameters() if p not in taken)
-            lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
-            chosen = free >= f.min_num_params and not isinstance(m, lists)
-        else:
-            chosen = isinstance(m, tuple(wrap_classes))
-        inside = set(m.modules())
-        if chosen and all(h in inside for p in m.parameters() for h in holders[p]):
+        free = sum(p.numel() for p in m.parameters() if p not in taken)
+        if policy(module=m, recurse=True, nonwrapped_numel=free):
+            for child in m.children():
+                visit(child)
+        free = sum(p.numel() for p in m.parameters() if p not in taken)
+        if m is not model and policy(module=m, recurse=False, nonwrapped_numel=free):
             units.append(m)
             taken.update(m.parameters())
-    for child in model.children():  # not the root: its own unit, made last, holds the rest
-        visit(child)
+    if policy:
+        visit(model)
     return units
 
 
@@ -612,16 +748,26 @@ def recomputes_compiled_blocks(cfg):
     return cfg.fsdp.activation_checkpointing and blocks and not strategy_of(cfg).compiles_units
 
 
-def clip_norm(model, limit):
-    """torch's clip. Under FSDP2 the norm is a DTensor: its full value is the global norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def precision_context(cfg, device):
+    """FSDP casts by its mixed-precision policy: the model computes in param_dtype. DDP and one
+    device autocast instead (weights, residual stream fp32); --autocast adds autocast to FSDP."""
+    if not autocasts(cfg):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype])
 
 
-def accumulate_with_no_sync(cfg, topo):
-    """--grad-accum-mode auto: no_sync, one reduction a step, accumulated in reduce_dtype."""
-    if cfg.train.grad_accum_mode == "auto":
-        cfg.train.grad_accum_mode = "no_sync"
+def autocasts(cfg):
+    return cfg.fsdp.param_dtype != "fp32" and (not strategy_of(cfg).shards or cfg.fsdp.autocast)
+
+
+@contextlib.contextmanager
+def fsdp1_notices_silenced():
+    """FSDP1 on one process shards nothing (NO_SHARD) and says so at the wrap and every state dict:
+    hidden while main() runs, not in the rest of a program that imports the trainer."""
+    with warnings.catch_warnings():
+        for notice in ("FSDP is switching to use `NO_SHARD`", "When using ``NO_SHARD``"):
+            warnings.filterwarnings("ignore", message=".*" + re.escape(notice))
+        yield
 
 
 def say(topo, line):
@@ -645,194 +791,15 @@ def hybrid_shard_size(cfg, topo):
     return cfg.fsdp.hybrid_shard_size or topo.local_world
 
 
-def replicates_only(cfg, topo):
+def hand_replication_to_ddp(cfg, topo):
     """HYBRID_SHARD* with one process per shard group is replication, DDP's job (FSDP1 would
-    skip the all-reduce across replicas): the run takes --strategy ddp. Returns whether it did."""
+    skip the all-reduce across replicas): the run takes --strategy ddp, said."""
     f = cfg.fsdp
-    if "HYBRID" not in f.sharding_strategy or hybrid_shard_size(cfg, topo) > 1 or topo.world == 1:
-        return False
-    say(topo, f"{f.sharding_strategy} with 1 process per shard group is pure replication: using "
-        "DDP (--strategy ddp) across all processes")
-    cfg.train.strategy = "ddp"
-    strategy_of(cfg).resolve(cfg, topo)
-    return True
-
-
-# =============================================================================================
-# --strategy fsdp: FSDP1, FullyShardedDataParallel. A lambda auto-wrap policy makes each unit of
-# shard_units an FSDP instance; MixedPrecision casts; accumulation by sync, or no_sync.
-
-
-def wrap_fsdp1(model, units, blocks, cfg, topo, init_fn):
-    """Compile in place (dynamo would trace FSDP1's own forward: dozens of frames, each guarded
-    every step), checkpoint, then wrap. --meta-init: param_init_fn materialises unit by unit."""
-    f = cfg.fsdp
-    compile_in_place(model, blocks, cfg, whole=True)
-    checkpoint_blocks(blocks, f)
-    precision = MixedPrecision(param_dtype=DTYPES[f.param_dtype],
-                               reduce_dtype=DTYPES[f.reduce_dtype],
-                               buffer_dtype=DTYPES[f.buffer_dtype])
-    prefetch = None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch]
-    return FSDP(model, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy,
-                                                          lambda_fn=lambda m: m in units),
-                sharding_strategy=ShardingStrategy[f.sharding_strategy], mixed_precision=precision,
-                backward_prefetch=prefetch, forward_prefetch=f.forward_prefetch,
-                limit_all_gathers=f.limit_all_gathers, use_orig_params=f.use_orig_params,
-                cpu_offload=CPUOffload(offload_params=f.cpu_offload),
-                sync_module_states=f.sync_module_states,
-                param_init_fn=meta_init_fn(model, init_fn, topo.device) if f.meta_init else None,
-                device_id=topo.device,  # on CPU too: without it FSDP1 asks for an accelerator
-                device_mesh=topo.mesh)
-
-
-def resolve_fsdp1(cfg, topo):
-    t, f = cfg.train, cfg.fsdp
-    if replicates_only(cfg, topo):
-        return
-    if t.grad_accum_mode == "auto":
-        # no_sync accumulates in param_dtype, sync in reduce_dtype: sync, unless --cpu-offload.
-        t.grad_accum_mode = "no_sync" if f.cpu_offload else "sync"
-        if f.cpu_offload and f.param_dtype != f.reduce_dtype:
-            say(topo, "--cpu-offload: accumulating with no_sync (FSDP1 offload allows no other), "
-                f"in {f.param_dtype}")
-    if t.compile and not f.use_orig_params:
-        f.use_orig_params = True
-        say(topo, "--compile: setting use_orig_params=True (FSDP1 + torch.compile requires it)")
-
-
-STRATEGIES["fsdp"] = Strategy(
-    wrap=wrap_fsdp1, resolve=resolve_fsdp1, no_sync=lambda model: model.no_sync(),
-    # its own clip_grad_norm_ and scaler: torch.nn.utils' and amp's would see this rank's shard
-    clip=lambda model, limit: model.clip_grad_norm_(limit), scaler=ShardedGradScaler,
-    # Its sharded state dict copies shards on the GPU: to the host as made, or a save could OOM.
-    shards=True, copies_shards=True)
-
-
-# =============================================================================================
-# --strategy fsdp2: FSDP2, fully_shard on each unit and the root, in torchtitan's order. A
-# MixedPrecisionPolicy casts; set_requires_gradient_sync is its no_sync.
-
-
-def wrap_fsdp2(model, units, blocks, cfg, topo, init_fn):
-    """Checkpointing, compile (each block as a module, or the model last), fully_shard on each unit
-    bottom-up and the root. A meta model is sharded on meta, then to_empty and init_weights."""
-    f, n = cfg.fsdp, parameter_count(model)
-    order = init_order(model, units)  # before compiling changes the module tree
-    checkpoint_blocks(blocks, f)
-    outer = {b: b for b in blocks}  # the module standing for each block in the tree
-    if cfg.train.compile and compiles_blocks(cfg, n):
-        parents = {c: (m, name) for m in model.modules() for name, c in m.named_children()}
-        for b in blocks:
-            parent, name = parents[b]
-            outer[b] = torch.compile(b, mode=compile_mode(cfg, n))
-            parent.register_module(name, outer[b])
-    kw = dict(mesh=topo.mesh)
-    if f.cpu_offload:  # pinned host memory needs a GPU
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
-    # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2
-    # casts every unit's, the fp32 rotary tables the blocks receive included.
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], cast_forward_inputs=False,
-                              reduce_dtype=DTYPES[f.reduce_dtype])
-    reshard = fsdp2_reshards(f)
-    sharded = [outer.get(u, u) for u in units]
-    last = outer.get(blocks[-1]) if blocks else None
-    for m in sharded:
-        # The last block and the root run first in backward, so they stay gathered after forward.
-        fully_shard(m, reshard_after_forward=reshard and m is not last, mp_policy=mp, **kw)
-    root_mp = dataclasses.replace(mp, cast_forward_inputs=True)
-    fully_shard(model, reshard_after_forward=False, mp_policy=root_mp, **kw)
-    if any(p.is_meta for p in model.parameters()):
-        model.to_empty(device="cpu" if f.cpu_offload else topo.device)
-        init_weights(model, order, init_fn)
-    if f.forward_prefetch:
-        forward_prefetch_in_run_order(model, sharded)
-    if cfg.train.compile and not compiles_blocks(cfg, n):
-        model = torch.compile(model, mode=compile_mode(cfg, n))
-    return model
-
-
-def fsdp2_reshards(f):
-    """reshard_after_forward: FULL_SHARD and HYBRID_SHARD (ZeRO-2 keeps the gathered ones)."""
-    return f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-
-
-def forward_prefetch_in_run_order(root, units):
-    """--forward-prefetch: each unit issues the next one's all-gather in forward, in the first
-    forward's order (hooks record it, then go): the Free Transformer's sampler runs mid-stack."""
-    order, handles = [], []
-
-    def ran(module, args):
-        if module not in order:
-            order.append(module)
-
-    def done(module, args, output):
-        for h in handles:
-            h.remove()
-        for a, b in zip(order, order[1:]):
-            a.set_modules_to_forward_prefetch([b])
-    handles += [m.register_forward_pre_hook(ran) for m in [root] + units]
-    handles.append(root.register_forward_hook(done))
-
-
-@contextlib.contextmanager
-def fsdp2_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def resolve_fsdp2(cfg, topo):
-    f = cfg.fsdp
-    if replicates_only(cfg, topo):
-        return
-    if topo.world == 1 and fsdp2_reshards(f) and not f.cpu_offload:
-        say(topo, f"--strategy fsdp2 with 1 process: {f.sharding_strategy} would reshard only to "
-            "gather again in backward; using SHARD_GRAD_OP")
-        f.sharding_strategy = "SHARD_GRAD_OP"
-    accumulate_with_no_sync(cfg, topo)
-
-
-STRATEGIES["fsdp2"] = Strategy(
-    wrap=wrap_fsdp2, resolve=resolve_fsdp2, no_sync=fsdp2_no_sync,
-    # torch's clip and amp's scaler see every shard: the gradients are DTensors
-    clip=clip_norm, scaler=torch.amp.GradScaler, shards=True, compiles_units=True,
-    # With --cpu-offload its gradients stay on the host, where clipping all-reduces their norm:
-    # on GPUs the group then needs gloo for CPU tensors too, as torchtitan's does.
-    host_grads=True)
-
-
-# =============================================================================================
-# --strategy ddp and none: every process holds the whole model (DDP all-reduces the gradients;
-# none is one process). torch.autocast casts, and the weights stay fp32.
-
-
-def wrap_whole(model, units, blocks, cfg, topo, init_fn, ddp=False):
-    """Compile the blocks in place (or the model after wrapping), checkpoint, materialise a meta
-    model by module, then DDP: gradients as views into its buckets, no second copy of them."""
-    n = parameter_count(model)
-    compile_in_place(model, blocks, cfg, whole=False)
-    checkpoint_blocks(blocks, cfg.fsdp)
-    if cfg.fsdp.meta_init:
-        materialise = meta_init_fn(model, init_fn, topo.device)
-        for m in init_order(model, units):
-            materialise(m)
-    model = model.to(topo.device)
-    if ddp:
-        model = DDP(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-    if cfg.train.compile and not compiles_blocks(cfg, n):
-        model = torch.compile(model, mode=compile_mode(cfg, n))
-    return model
-
-
-STRATEGIES["ddp"] = Strategy(
-    wrap=functools.partial(wrap_whole, ddp=True), resolve=accumulate_with_no_sync,
-    no_sync=lambda model: model.no_sync(), clip=clip_norm, scaler=torch.amp.GradScaler)
-
-STRATEGIES["none"] = dataclasses.replace(  # DDP's, without DDP: one process, nothing to reduce
-    STRATEGIES["ddp"], wrap=wrap_whole, no_sync=lambda model: contextlib.nullcontext())
+    replicas = "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1
+    if strategy_of(cfg).shards and replicas and topo.world > 1:
+        say(topo, f"{f.sharding_strategy} with 1 process per shard group is pure replication: "
+            "using DDP (--strategy ddp) across all processes")
+        cfg.train.strategy = "ddp"
 
 
 # =============================================================================================
@@ -870,27 +837,20 @@ def decayed_names(model):
     return {n for n, p in model.named_parameters() if decays(n, p)}
 
 
-def unwrapped_name(name):
-    """A parameter's name in the plain model, whatever FSDP, DDP, checkpointing or compile added."""
-    for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name.removeprefix("module.")
-
-
-def hidden_matrices(model, wrap_classes):
-    """Names of the parameters --optimizer muon orthogonalises: the model's muon_filter(name, p)
-    if any, else the 2-D weights in the FSDP unit classes (blocks). Embeddings and head: AdamW."""
-    if hasattr(model, "muon_filter"):
-        return {n for n, p in model.named_parameters() if model.muon_filter(n, p)}
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, tuple(wrap_classes))]
-    return {f"{name}.{n}" for name, m in blocks for n, p in m.named_parameters() if p.dim() == 2}
+def plain_named_parameters(model):
+    """(name in the plain model, parameter) of a wrapped model: torch.compile's `_orig_mod.` and
+    FSDP1's `_fsdp_wrapped_module.` dropped, and `module.` only where DDP put it there."""
+    inner = getattr(model, "_orig_mod", model)
+    inner = inner.module if isinstance(inner, DDP) else inner
+    return [(re.sub(r"(_orig_mod|_fsdp_wrapped_module)\.", "", n), p)
+            for n, p in inner.named_parameters()]
 
 
 def build_optimizer(model, cfg, lr, device, about):
     """AdamW, decaying about["decay_names"]; Muon on the hidden matrices (about["hidden"]) under
     --optimizer muon. FSDP1's --no-use-orig-params makes a unit one FlatParameter: all decay."""
     t, decay_names = cfg.train, about["decay_names"]
-    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in plain_named_parameters(model) if p.requires_grad]
     hidden = about["hidden"] if t.optimizer == "muon" else ()
     if any(n.endswith("_flat_param") for n, _ in named):
         groups = [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
@@ -948,13 +908,16 @@ def micro_batches(data, step, cfg, plan, topo):
     return batches, time.perf_counter() - t0
 
 
-def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
+def train_step(model, optimizer, scaler, batches, cfg, loss_fn, strategy):
     """One optimizer step; each micro-batch's loss is divided by their number, so the summed
     gradient is the global batch's mean loss's. Returns (mean losses, global norm, skipped?)."""
     totals, accum = {}, len(batches)
     for m, (x, y) in enumerate(batches):
         new_graph_step(cfg)
-        with gradient_sync(model, cfg, last=m == accum - 1):
+        # Gradients are reduced after the last micro-batch, or after each under --grad-accum-mode
+        # sync; no_sync must cover the forward too.
+        reduce = m == accum - 1 or cfg.train.grad_accum_mode == "sync"
+        with contextlib.nullcontext() if reduce else strategy.no_sync(model):
             with precision_context(cfg, x.device):
                 loss, parts = loss_fn(model, x, y, cfg)
             scaled = loss / accum
@@ -963,7 +926,7 @@ def train_step(model, optimizer, scaler, batches, cfg, loss_fn):
             totals[k] = totals.get(k, 0.0) + v.float() / accum
     if scaler:
         scaler.unscale_(optimizer)
-    grad_norm = clip_gradients(model, cfg)
+    grad_norm = strategy.clip(model, cfg.train.grad_clip or math.inf)  # --grad-clip 0: no limit
     # The norm is global (the same on every rank), so every rank takes the same decision.
     skipped = cfg.train.skip_nonfinite and scaler is None and not torch.isfinite(grad_norm).item()
     if scaler:
@@ -1045,6 +1008,7 @@ class NonFinite:
 # main: one run, in the order of the file
 
 
+@fsdp1_notices_silenced()
 def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None,
          data_config=None):
     """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
@@ -1058,7 +1022,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     check_world(cfg, topo)
     data = load_dataset(cfg, topo.rank)
     clock.lap("setup and data")
-    resolve_config(cfg, topo, data)
+    strategy = resolve_config(cfg, topo, data)
     topo = dataclasses.replace(topo, mesh=device_mesh(cfg, topo))  # the resolved strategy's mesh
     plan = plan_run(cfg, topo, data)
     t = cfg.train
@@ -1069,13 +1033,13 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     name_run_dir(cfg, model)
     keep_compile_cache(cfg)
     check_init_from_shapes(cfg, model, topo)  # a bad path or shape fails before anything is written
-    about = describe_model(model, plan, wrap_classes)  # the plain model's names and counts
+    about = describe_model(model, cfg, plan, wrap_classes)  # the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     clock.lap("model and wrapping")
     resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about)
-    scaler = grad_scaler(cfg, topo.device)
+    scaler = strategy.scaler(topo.device.type) if cfg.fsdp.param_dtype == "fp16" else None
     start_step, tokens_seen = restore_state(resume, model, optimizer, scaler, cfg, topo, notes)
     rank0_does(lambda: start_in(t.out_dir, start_step, cfg), topo.rank)  # a refusal changed nothing
     clock.lap("run directory and checkpoint")
@@ -1092,7 +1056,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
             lr = set_lr(optimizer, lr_at(step, plan.peak_lr, cfg, plan.max_steps))
             batches, data_time = micro_batches(data, step, cfg, plan, topo)
             losses, grad_norm, skipped = train_step(model, optimizer, scaler, batches, cfg,
-                                                    compute_loss)
+                                                    compute_loss, strategy)
             nonfinite.note(step + 1, losses["loss"], grad_norm, skipped)
             if step == start_step:  # --compile compiles the training step in its first call
                 log.line(clock.lap("first step", sync=losses["loss"]) + compile_cache_note(cfg))
@@ -1200,6 +1164,55 @@ def leave(code):
 
 
 # =============================================================================================
+# Reference: rank 0's file work, and the errors every rank learns
+
+
+def rank0_does(fn, rank, failure=BadInput, what="its file work"):
+    """Run fn on rank 0 only (file work: a token cache, a checkpoint); every rank returns its result
+    or raises failure(its error): no rank is left waiting alone. No collective times out however
+    long fn takes: rank 0 runs it in a thread and says every COLLECTIVE_TIMEOUT / 10 it is at it."""
+    box = [None, None]  # error, result
+
+    def run_into_box():
+        try:
+            box[1] = fn()
+        except Exception as e:  # anything (a full disk, not a checkpoint) must stop every rank
+            box[0] = error_line(e)
+    if rank == 0:
+        work = threading.Thread(target=run_into_box, daemon=True)
+        work.start()
+    for beat in itertools.count():
+        if rank == 0:
+            work.join(COLLECTIVE_TIMEOUT.total_seconds() / 10)
+        message = [work.is_alive() if rank == 0 else None, *box]  # still working, error, result
+        dist.broadcast_object_list(message, src=0)
+        if not message[0]:
+            break
+        node_first = rank - launch_env()[2]
+        if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of a node says it
+            print(f"rank {rank}: waiting for rank 0 ({what}), with no time limit", flush=True)
+    if message[1]:
+        raise failure(message[1])
+    return message[2]
+
+
+def any_rank_error(error, topo):
+    """The first error (a string, or None) of any rank, on every rank."""
+    errors = [None] * topo.world
+    dist.all_gather_object(errors, error, group=topo.control)
+    return next((e for e in errors if e), None)
+
+
+def error_line(e):
+    """One line for an exception: ours and a seam's ValueError as is, an OSError by its file."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    if isinstance(e, (BadInput, RunFailed, ValueError)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+# =============================================================================================
 # Reference: --meta-init. The model is built on the meta device; each module's tensors are allocated
 # and initialised once wrapped, by reset_parameters() and the model's init_module, in init_order.
 
@@ -1220,8 +1233,8 @@ def init_order(model, units):
     return order
 
 
-def meta_init_fn(model, init_fn, device):
-    """FSDP1, DDP and one device: a function allocating one module's meta tensors on `device` and
+def meta_init_fn(model, init_fn, topo):
+    """FSDP1, DDP and one device: a function allocating one module's meta tensors on its device and
     initialising them; a parameter modules share (a tied embedding) is allocated once, kept tied."""
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     holders = collections.Counter(p for m in model.modules() for p in m.parameters(recurse=False))
@@ -1232,7 +1245,7 @@ def meta_init_fn(model, init_fn, device):
         for n, p in module._parameters.items():
             if p is not None and p.is_meta:
                 if p not in shared:
-                    empty = torch.empty_like(p, device=device)
+                    empty = torch.empty_like(p, device=topo.device)
                     shared[p] = fresh[n] = torch.nn.Parameter(empty, p.requires_grad)
                 module._parameters[n] = shared[p]
                 holders[p] -= 1
@@ -1240,7 +1253,7 @@ def meta_init_fn(model, init_fn, device):
                     del shared[p]
         for n, b in module._buffers.items():
             if b is not None and b.is_meta:
-                module._buffers[n] = fresh[n] = torch.empty_like(b, device=device)
+                module._buffers[n] = fresh[n] = torch.empty_like(b, device=topo.device)
         init_tensors(module, names[module], fresh, init_fn)
     return materialise
 
@@ -1263,30 +1276,6 @@ def init_tensors(module, name, fresh, init_fn):
             raise BadInput(f"--meta-init: nothing initialises {name}.{n} "
                            f"({type(module).__name__}): give the model an init_module(module) that "
                            "covers it, or the module a reset_parameters()")
-
-
-@torch.no_grad()
-def init_weights(model, order, init_fn):
-    """FSDP2, after to_empty: initialise each module in `order`, its sharded parameters in full (so
-    the weights do not depend on the world size), each rank keeping its shard."""
-    names = {m: name or type(model).__name__ for name, m in model.named_modules()}
-    done = set()  # a shared parameter (tied embedding and head) is initialised by its first holder
-    for m in order:
-        own = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor) and p not in done}
-        done.update(own.values())
-        full = {n: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
-                for n, p in own.items()}
-        plain = {n: t for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
-                 if t is not None and not isinstance(t, DTensor)}
-        try:
-            for n, t in full.items():
-                m._parameters[n] = torch.nn.Parameter(t, requires_grad=own[n].requires_grad)
-            init_tensors(m, names[m], {**plain, **full}, init_fn)
-        finally:
-            m._parameters.update(own)
-        for n, p in own.items():
-            shard = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(shard.to_local())
 
 
 def meta_init_module(model, cfg):
@@ -1319,6 +1308,12 @@ class Checkpointer:
         self.cfg, self.c, self.topo, self.log = cfg, cfg.checkpoint, topo, log
         self.data, self.scaler = data, scaler
         self.pending = None  # the background save under way: (path, meta, DCP's future, staged at)
+        # Sharded: each rank its shards; FSDP1's are copies made on the GPU: to the host as made.
+        copies = strategy_of(cfg).copies_shards and cfg.fsdp.sharding_strategy != "NO_SHARD"
+        gpus = topo.world > 1 and topo.device.type == "cuda"
+        self.sharded = StateDictOptions(cpu_offload=copies and gpus)
+        # Full: gathered by every rank; on GPUs torch keeps it, on the host, on rank 0 alone.
+        self.full = StateDictOptions(full_state_dict=True, cpu_offload=topo.device.type != "cpu")
         if self.c.async_save and self.c.save_every:
             # Its collectives run in another thread: a group of their own. On a GPU the writer keeps
             # a pinned host copy of the state between saves: later ones stage faster.
@@ -1342,7 +1337,7 @@ class Checkpointer:
                 future = self.start_async_save(path, meta, model, optimizer)
                 self.pending = (path, meta, future, time.perf_counter())
             else:
-                write_checkpoint(tmp, meta, model, optimizer, self.c, self.topo, consolidate=last)
+                self.write(tmp, meta, model, optimizer, consolidate=last)
             write_rng_state(tmp, self.topo.rank)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = error_text(e, self.topo.rank, tmp)
@@ -1357,11 +1352,23 @@ class Checkpointer:
     def start_async_save(self, path, meta, model, optimizer):
         """Stage this rank's shards to host memory and hand them to DCP's background writer, which
         returns once the copy is made: training may change the weights at once."""
-        opts = state_dict_options("sharded save", self.topo.device, meta)
-        state = sharded_state(model, optimizer, opts)
+        state = sharded_state(model, optimizer, self.sharded)
         future = dcp.async_save(state, checkpoint_id=os.path.join(staging_path(path), "dcp"),
                                 storage_writer=self.writer, process_group=self.group)
         return getattr(future, "upload_completion", future)  # with async staging: the write's
+
+    def write(self, tmp, meta, model, optimizer, consolidate=False):
+        """This rank's part of a synchronous save in `tmp`; consolidate: model.pt beside shards."""
+        if meta["type"] == "sharded":
+            state = sharded_state(model, optimizer, self.sharded)
+            dcp.save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+        if meta["type"] == "full" or consolidate:
+            full = consolidated_payload(get_model_state_dict(model, options=self.full), meta)
+            if meta["type"] == "full" and self.c.full_optimizer:
+                full["optim"] = get_optimizer_state_dict(model, optimizer, options=self.full)
+            if self.topo.rank == 0:
+                torch.save(full, os.path.join(tmp, "model.pt"))
+                fsync_path(os.path.join(tmp, "model.pt"))
 
     def publish_finished(self, wait=False):
         """At a step boundary, on every rank (a small all-reduce): publish the background save once
@@ -1409,21 +1416,6 @@ class Checkpointer:
             self.pending[2].exception()
             if self.topo.rank == 0:
                 shutil.rmtree(staging_path(self.pending[0]), ignore_errors=True)
-
-
-def write_checkpoint(tmp, meta, model, optimizer, c, topo, consolidate=False):
-    """This rank's part of a synchronous save in `tmp`; consolidate: also model.pt beside shards."""
-    if meta["type"] == "sharded":
-        opts = state_dict_options("sharded save", topo.device, meta)
-        dcp.save(sharded_state(model, optimizer, opts), checkpoint_id=os.path.join(tmp, "dcp"))
-    if meta["type"] == "full" or consolidate:
-        opts = state_dict_options("save", topo.device)
-        full = consolidated_payload(get_model_state_dict(model, options=opts), meta)
-        if meta["type"] == "full" and c.full_optimizer:
-            full["optim"] = get_optimizer_state_dict(model, optimizer, options=opts)
-        if topo.rank == 0:
-            torch.save(full, os.path.join(tmp, "model.pt"))
-            fsync_path(os.path.join(tmp, "model.pt"))
 
 
 def staging_path(path):
@@ -1715,7 +1707,7 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
         dcp_load(state, os.path.join(path, "dcp"))
     else:
         state = load_weights_only(os.path.join(path, "model.pt"), mmap=True)
-        opts = state_dict_options("load")
+        opts = StateDictOptions(full_state_dict=True)  # each rank takes its shards of the whole
         if "optim" not in state:
             raise RunFailed(f"{path} holds no optimizer state (saved with --no-full-optimizer); "
                             "start a new run from its weights with --init-from instead")
@@ -1813,7 +1805,8 @@ def init_weights_from(path, model):
     """Load only the model weights of a checkpoint (fresh optimizer, step 0)."""
     kind, where = checkpoint_weights(path)
     if kind == "full":
-        state, opts = load_weights_only(where, mmap=True), state_dict_options("init")
+        state = load_weights_only(where, mmap=True)
+        opts = StateDictOptions(full_state_dict=True, strict=False)  # it may hold more keys
     else:
         state, opts = {"model": get_model_state_dict(model)}, None
         dcp_load(state, where)
@@ -2046,20 +2039,6 @@ def metric_records(path):
             yield line, record
 
 
-def debug_env(run_dir):
-    """--debug, before the process group exists: torch's distributed debug level, NCCL's logging
-    and the flight recorder (each rank's last 2000 collectives, dumped to RUN_DIR/flight_recorder/
-    rank_<r> on a timeout; docs/slurm.md). A value set already (by slurm_submit.sh) wins."""
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    dist.set_debug_level_from_env()
-    prefix = os.path.join(os.path.abspath(run_dir), "flight_recorder", "rank_")
-    settings = {"NCCL_DEBUG": "INFO", "TORCH_FR_BUFFER_SIZE": "2000",
-                "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
-    for name, value in settings.items():  # older releases read TORCH_NCCL_*, not TORCH_FR_*
-        os.environ.setdefault(name, value)
-
-
 def flight_recorder_dumps():
     """The flight recorder's dump path prefix when on (--debug or slurm_submit.sh), else None."""
     on = os.environ.get("TORCH_FR_BUFFER_SIZE", "0") not in ("", "0")
@@ -2246,14 +2225,15 @@ def peak_flops(device):
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def describe_model(model, plan, wrap_classes):
+def describe_model(model, cfg, plan, wrap_classes):
     """Before wrapping: the model's counts, flops per token, decay and Muon names, eval note."""
-    total = parameter_count(model)
+    total, hidden = parameter_count(model), set()
     flops = model.flops_per_token(plan.seq_len) if hasattr(model, "flops_per_token") else 6 * total
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"total": total, "trainable": trainable, "flops": flops,
-            "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", ""),
-            "hidden": hidden_matrices(model, wrap_classes)}
+    if cfg.train.optimizer == "muon":  # muon.py's rule: the matrices it orthogonalises
+        hidden = import_optional("muon", "--optimizer muon").hidden_matrices(model, wrap_classes)
+    return {"total": total, "trainable": trainable, "flops": flops, "hidden": hidden,
+            "decay_names": decayed_names(model), "note": getattr(model, "evaluation_note", "")}
 
 
 def progress_bar(plan, start_step, topo):
@@ -2283,16 +2263,13 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
     per_rank = [None] * topo.world
     dist.all_gather_object(per_rank, local_parameter_count(model))
     log.line(json.dumps(dataclasses.asdict(cfg), indent=1), file_too=False)
-    one = one_unit(cfg.fsdp, n)
-    headline, notes = describe_strategy(cfg, one=one)
+    headline, notes = describe_strategy(cfg, one=one_unit(cfg.fsdp, n))
     log.line(f"world {topo.world} | backend {topo.backend} | device {device} "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}".rstrip())
     log.line(headline)
     log.line(loss_precision(cfg))
-    if strategy_of(cfg).shards and cfg.fsdp.auto_wrap == "auto":
-        log.line("--auto-wrap auto: " + (
-            "the whole model is one FSDP unit (--auto-wrap module makes each block one)"
-            if one else "each block is an FSDP unit (the module rule)"))
+    if strategy_of(cfg).shards:
+        log.line(describe_units(model, cfg, n))
     if t.compile:
         log.line(f"compile: {'each block' if compiles_blocks(cfg, n) else 'the model'}, "
                  f"mode {compile_mode(cfg, n)}")
@@ -2357,6 +2334,16 @@ def describe_strategy(cfg, one=False):
                 f"{' cpu_offload' if f.cpu_offload else ''} {dtypes}"), notes
     return (f"strategy {t.strategy} | autocast {f.param_dtype} (reduce/buffer dtypes apply to "
             "FSDP only)"), notes
+
+
+def describe_units(model, cfg, n_params):
+    f, count = cfg.fsdp, sum(isinstance(m, (FSDP, FSDPModule)) for m in model.modules())
+    if one_unit(f, n_params):
+        return (f"FSDP units: 1, the whole model: --auto-wrap auto keeps a model below "
+                f"{ONE_UNIT_BELOW:,} parameters whole (--auto-wrap module: a unit per block)")
+    if f.auto_wrap == "size":
+        return f"FSDP units: {count}: the root, and modules of >= {f.min_num_params:,} parameters"
+    return f"FSDP units: {count}: the root, and each block (--auto-wrap {f.auto_wrap})"
 
 
 def loss_precision(cfg):
@@ -2588,27 +2575,38 @@ def check_config(cfg):
             ("--tensorboard", t.tensorboard, ["trackers", "torch.utils.tensorboard"]),
             ("--wandb", t.wandb, ["trackers", "wandb"]),
             ("--optimizer muon", t.optimizer == "muon", ["muon"]),
-            ("--float8", cfg.fsdp.float8, ["torchao"])):
+            ("--float8", cfg.fsdp.float8, ["float8", "torchao"]),
+            ("--debug", t.debug, ["debugging"])):
         for module in modules if wanted else []:
             import_optional(module, flag)
 
 
+COMPANIONS = ("trackers", "muon", "float8", "debugging", "ckpt_export")  # this project's files
+
+
 def import_optional(module, flag):
-    """One of this project's companion files or an optional package, imported for `flag` only."""
+    """A companion file or an optional package, imported for `flag` only. A module missing however
+    deep the import that needs it, or a companion that is not this project's, is one line."""
     try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        if e.name not in (None, module, module.split(".")[0]):
-            raise  # it is there, but something it imports is not: its traceback says what
-        package = module.split(".")[-1]
-        what = f"the {package} package, which is not installed: pip install {package}"
-        if module in ("trackers", "muon", "ckpt_export"):
-            what = f"{module}.py beside train_fsdp.py (copy it from this project)"
-        raise BadInput(f"{flag} needs {what}") from None
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = (e.name or module).split(".")[0]
+        if missing == module and module in COMPANIONS:
+            raise BadInput(f"{flag} needs {module}.py beside train_fsdp.py (copy it from this "
+                           "project)") from None
+        raise BadInput(f"{flag} needs the {missing} package, which is not installed: "
+                       f"pip install {missing}") from None
+    except ImportError as e:  # there, but it does not import: a broken or mismatched install
+        raise BadInput(f"{flag}: importing {module} failed ({e})") from None
+    where = os.path.abspath(getattr(found, "__file__", None) or module)  # None: a namespace package
+    beside = os.path.dirname(os.path.abspath(__file__))
+    if module in COMPANIONS and os.path.dirname(where) != beside:
+        raise BadInput(f"{flag} needs this project's {module}.py beside train_fsdp.py, not {where} "
+                       "(another package of that name): copy it from this project")
+    return found
 
 
 def check_ranges(cfg):
-    """Every number outside its field's valid range, reported by its flag; every float finite."""
     for sec in sections(cfg).values():
         for f in dataclasses.fields(sec):
             flag, value, rule = flag_name(f.name), getattr(sec, f.name), f.metadata.get("valid", "")
@@ -2685,15 +2683,17 @@ def check_world(cfg, topo):
 
 
 def resolve_config(cfg, topo, data):
-    """Fill in what the settings leave open once the world and data are known: the strategy's needs,
-    the run's length, the seams' derived fields (resolve(data)). The config is then only read."""
-    strategy_of(cfg).resolve(cfg, topo)  # may hand over to another strategy
+    """Fill in what the settings leave open once the world and data are known (the strategy, its
+    needs, the run's length, the seams' resolve(data)); then only read. Returns the strategy."""
+    hand_replication_to_ddp(cfg, topo)
+    strategy_of(cfg).resolve(cfg, topo)
     t = cfg.train
     t.max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     if t.lr_schedule == "wsd" and t.lr_decay_steps + t.warmup_steps > t.max_steps:
         raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the wsd decay and --warmup-steps "
                        f"{t.warmup_steps} do not fit in the run's {t.max_steps} steps")
     seam_hooks(cfg, "resolve", data)
+    return strategy_of(cfg)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import collections
 import functools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -109,7 +110,8 @@ def wrap_record(model):
     FSDP2's forward-prefetch pairs [unit, the unit it prefetches], the policies of its units
     [name, offload policy class, param_dtype, reduce_dtype] and the names of the float8 Linear layers."""
     model = getattr(model, "_orig_mod", model)
-    names = {m: train_fsdp.unwrapped_name(n + ".").rstrip(".") for n, m in model.named_modules()}
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    names = {m: re.sub(r"(_orig_mod|_fsdp_wrapped_module)\.?", "", n).rstrip(".") for n, m in model.named_modules()}
     units, prefetch, policies = [], [], []
     for m, name in names.items():
         if isinstance(m, FSDP):

@@ -6,7 +6,7 @@ Usage: torchrun --nproc_per_node=2 tests/grad_precision.py OUT.json MICRO_BATCHE
 The model is two linear layers (a GELU between them; each layer an FSDP unit) on a regression
 of random data: its bf16 forward and backward are accurate enough for the accumulation's
 rounding to show. Every rank accumulates MICRO_BATCHES micro-batches in bf16 (reduce dtype
-fp32) through the trainer's own train_step, wrap_model, gradient_sync and precision_context;
+fp32) through the trainer's own train_step, wrap_model, the strategy's no_sync and precision_context;
 the optimizer only reads the full gradient. `none` runs the whole global batch in each process.
 The reference is the gradient of the same mean loss by the unwrapped model in fp32, in one pass.
 Rank 0 writes {"strategy/mode": ||g - g_fp32|| / ||g_fp32||} and what each strategy's default
@@ -50,12 +50,10 @@ class GradientReader:
     def step(self):
         if self.strategy == "fsdp":  # FSDP1 holds each rank's shard of a flattened gradient
             with FSDP.summon_full_params(self.model, with_grads=True):
-                self.grads = {train_fsdp.unwrapped_name(n): p.grad.float().clone()
-                              for n, p in self.model.named_parameters()}
+                self.grads = {n: p.grad.float().clone() for n, p in train_fsdp.plain_named_parameters(self.model)}
             return
-        self.grads = {train_fsdp.unwrapped_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
-                                                     else p.grad).float().clone()
-                      for n, p in self.model.named_parameters()}
+        self.grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                      for n, p in train_fsdp.plain_named_parameters(self.model)}
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
@@ -95,7 +93,7 @@ def main():
         reader = GradientReader(model, strategy)
         mine = range(topo.rank, len(x) // ROWS, topo.world)  # micro-batch m of rank r: rows of chunk m*world+r
         batches = [(x[i * ROWS:(i + 1) * ROWS], y[i * ROWS:(i + 1) * ROWS]) for i in mine]
-        train_fsdp.train_step(model, reader, None, batches, cfg, mse)
+        train_fsdp.train_step(model, reader, None, batches, cfg, mse, train_fsdp.strategy_of(cfg))
         errors[f"{strategy}/{mode}"] = relative_error(reader.grads, ref)
     if rank == 0:
         with open(out_path, "w") as fh:

@@ -1,5 +1,5 @@
 """FSDP1's sharded checkpoint state with cpu_offload (what a GPU run's saves use, see
-train_fsdp.state_dict_options) against the state dicts left where they are: the same DTensor
+the Checkpointer's sharded options) against the state dicts left where they are: the same DTensor
 shards, the same optimizer state, and a checkpoint written from them that loads back exactly.
 And why only a sharding FSDP1 is offloaded: its state dict is a copy of the weights and AdamW
 state (no tensor shares storage with the model's or the optimizer's); FSDP2's is the tensors

@@ -31,13 +31,13 @@ def test_accumulated_gradient_against_fp32(tmp_path):
     no_sync accumulates the unsharded gradients in bf16: about twice the error of syncing every
     micro-batch (0.75% vs 0.39% on torch 2.13). FSDP2's set_requires_gradient_sync(False)
     accumulates in reduce_dtype, DDP and one process in fp32: each meets the tolerance in both
-    modes, and so does every strategy's default (auto: sync for FSDP1, no_sync otherwise)."""
+    modes, and so does every strategy's default (auto: sync for FSDP1 and FSDP2, no_sync for DDP)."""
     out = tmp_path / "precision.json"
     for res in run_ranks(os.path.join("tests", "grad_precision.py"), [out, 32], 2):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     result = json.loads(out.read_text())
     errors = result["errors"]
-    assert result["resolved"] == {"fsdp": "sync", "fsdp2": "no_sync", "ddp": "no_sync"}
+    assert result["resolved"] == {"fsdp": "sync", "fsdp2": "sync", "ddp": "no_sync"}
     assert errors["fsdp/no_sync"] > TOLERANCE, errors
     assert errors["fsdp/no_sync"] > 1.5 * errors["fsdp/sync"], errors
     assert all(e < TOLERANCE for k, e in errors.items() if k != "fsdp/no_sync"), errors
@@ -128,6 +128,26 @@ def test_fsdp_compiles_the_model_in_place_inside_its_wrapper():
     assert run_build_script(IN_PLACE_SCRIPT, argv) == {"wrapper compiled": False, "model's forward compiled": True}
 
 
+UNITS_SCRIPT = BUILD_PRELUDE + r"""
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+model = build(sys.argv[1:])
+print(json.dumps([n.replace("_fsdp_wrapped_module.", "") for n, m in model.named_modules()
+                  if isinstance(m, (FSDPModule, FullyShardedDataParallel))]))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_float8_keeps_the_units_of_the_size_rule(strategy):
+    """--float8 swaps the blocks' Linear layers for new ones before the units are chosen, so the size rule
+    picks the new layers: the same units as without float8 (once they collapsed into the root's unit)."""
+    pytest.importorskip("torchao", reason="pip install torchao (.ci/run does)")
+    argv = ["--strategy", strategy, "--auto-wrap", "size", "--min-num-params", "2000", "--arch", "baseline",
+            "--n-layer", "2", "--d-model", "32", "--n-head", "2"]
+    plain = run_build_script(UNITS_SCRIPT, argv)
+    assert len(plain) > 3 and "blocks.0.mlp.w1" in plain, plain  # Linear layers are units
+    assert run_build_script(UNITS_SCRIPT, argv + ["--float8", "tensorwise"]) == plain
+
+
 ROPE_SCRIPT = BUILD_PRELUDE + r"""
 seen = {}
 for strategy in ("fsdp", "fsdp2", "ddp", "none"):
@@ -166,23 +186,26 @@ def topology(world=2):
 
 
 @pytest.mark.parametrize("argv,mode", [
-    ([], "sync"), (["--strategy", "fsdp", "--cpu-offload"], "no_sync"), (["--strategy", "fsdp2"], "no_sync"),
-    (["--strategy", "ddp"], "no_sync"), (["--strategy", "none"], "no_sync"),
-    (["--grad-accum-mode", "no_sync"], "no_sync"), (["--strategy", "fsdp2", "--grad-accum-mode", "sync"], "sync"),
+    ([], "sync"), (["--strategy", "fsdp", "--cpu-offload"], "no_sync"), (["--strategy", "fsdp2"], "sync"),
+    (["--strategy", "fsdp2", "--cpu-offload"], "sync"), (["--strategy", "ddp"], "no_sync"),
+    (["--strategy", "none"], "no_sync"), (["--grad-accum-mode", "no_sync"], "no_sync"),
+    (["--strategy", "fsdp2", "--grad-accum-mode", "no_sync"], "no_sync"),
 ])
-def test_default_accumulation_mode_is_exact_in_reduce_dtype(argv, mode):
-    """auto: FSDP1 syncs every micro-batch (its no_sync accumulates in param_dtype) except with
-    --cpu-offload, which allows no_sync only; the others accumulate in reduce_dtype (FSDP2) or
-    fp32 (DDP, one device) under no_sync. An explicit mode is kept."""
+def test_default_accumulation_mode_keeps_gradients_sharded(argv, mode):
+    """auto: FSDP1 and FSDP2 reduce-scatter every micro-batch (sync), since no_sync would hold every
+    gradient unsharded on every rank (FSDP1's, also in param_dtype), except FSDP1 with --cpu-offload,
+    which allows no_sync only; DDP and one device hold the whole gradient anyway: no_sync, one
+    reduction a step. An explicit mode is kept."""
     cfg = train_fsdp.parse_config(argv)
     assert cfg.train.grad_accum_mode == ("auto" if "--grad-accum-mode" not in argv else mode)
     train_fsdp.strategy_of(cfg).resolve(cfg, topology())
     assert cfg.train.grad_accum_mode == mode
 
 
-def test_grad_accum_mode_help_states_the_precision_cost():
-    text = train_fsdp.build_arg_parser().format_help().replace("\n", " ")
-    assert "param_dtype" in " ".join(text.split()), "the help of --grad-accum-mode names FSDP1's no_sync cost"
+def test_grad_accum_mode_help_states_the_cost_of_no_sync():
+    """The help of --grad-accum-mode names what no_sync costs FSDP: unsharded gradients, FSDP1's in param_dtype."""
+    field = next(f for f in train_fsdp.dataclasses.fields(train_fsdp.TrainConfig) if f.name == "grad_accum_mode")
+    assert "unsharded" in field.metadata["help"] and "param_dtype" in field.metadata["help"]
 
 
 def test_describe_fsdp2():
@@ -237,11 +260,11 @@ def test_auto_wrap_makes_a_small_model_one_unit(size, one):
     model_lib.resolve_model_config(cfg.model, 256)
     with torch.device("meta"):
         model, wrap, _ = train_fsdp.build_model(cfg)
-    units = train_fsdp.shard_units(model, wrap, cfg)
+    units = train_fsdp.units_of(model, train_fsdp.wrap_policy(model, wrap, cfg))
     blocks = [m for m in model.modules() if isinstance(m, tuple(wrap))]
     assert units == ([] if one else blocks) and blocks
     cfg.fsdp.auto_wrap = "module"
-    assert train_fsdp.shard_units(model, wrap, cfg) == blocks
+    assert train_fsdp.units_of(model, train_fsdp.wrap_policy(model, wrap, cfg)) == blocks
 
 
 

@@ -14,6 +14,7 @@ from test_distributed import ROOT, assert_same, comms, launch
 
 sys.path.insert(0, ROOT)
 import model as model_lib  # noqa: E402
+import muon  # noqa: E402
 import train_fsdp  # noqa: E402
 
 MUON = ["--optimizer", "muon", "--ffn-hidden", "97", "--micro-batch", "2", "--max-steps", "6", "--save-every", "3"]
@@ -89,7 +90,7 @@ def test_which_parameters_take_muon():
     cfg = model_lib.ModelConfig(arch="free", n_layer=2, d_model=32, n_head=2, vocab_size=20, latent_bits=4,
                                 ffn_hidden=64)
     free = model_lib.build_model(cfg)
-    hidden = train_fsdp.hidden_matrices(free, {model_lib.DecoderBlock})
+    hidden = muon.hidden_matrices(free, {model_lib.DecoderBlock})
     assert "latent.encoder.readout.weight" in hidden and "blocks.1.mlp.w2.weight" in hidden
     assert not hidden & {"tok_emb.weight", "lm_head.weight", "latent.post_sampler", "norm.weight"}
     assert all(p.dim() == 2 for n, p in free.named_parameters() if n in hidden)
@@ -99,7 +100,7 @@ def test_which_parameters_take_muon():
             super().__init__()
             self.fc, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
     plain = torch.nn.Sequential(torch.nn.Embedding(10, 4), Block(), torch.nn.Linear(4, 10))
-    assert train_fsdp.hidden_matrices(plain, {Block}) == {"1.fc.weight"}
+    assert muon.hidden_matrices(plain, {Block}) == {"1.fc.weight"}
 
 
 def test_muons_rate_is_twice_lr_unless_set_and_a_resume_keeps_its_own():

@@ -140,13 +140,19 @@ def test_every_make_target_in_the_readme_exists():
 
 def test_the_reading_guide_names_places_that_exist():
     """The README's reading guide of train_fsdp.py (its bullet) names functions and classes that the
-    file defines, and main() where it says."""
+    file defines (torch's it names: imported), in the order it says, the first FSDP( call and main()
+    where it says."""
     guide = README.split("- `train_fsdp.py`:", 1)[1].split("\n- ", 1)[0]
     source = read("train_fsdp.py")
-    names = [n for n in re.findall(r"`(\w+)(?:\(\))?`", guide) if n not in ("MixedPrecision", "no_sync")]
+    torch_names = ("ModuleWrapPolicy", "MixedPrecision", "no_sync", "clip")
+    names = [n for n in re.findall(r"`(\w+)(?:\(\))?`", guide) if n not in torch_names]
     assert len(names) >= 10
-    for name in names:
-        assert re.search(rf"^(def|class) {name}\b", source, re.M), name
+    places = [re.search(rf"^(def|class) {name}\b", source, re.M) for name in names]
+    assert all(places), [n for n, p in zip(names, places) if not p]
+    assert "ModuleWrapPolicy(" in source and "MixedPrecision(" in source
+    strategies = [p.start() for n, p in zip(names, places) if n in ("wrap_fsdp1", "wrap_fsdp2", "wrap_whole")]
+    assert strategies == sorted(strategies) and len(strategies) == 3
+    assert source[:source.index("FSDP(")].count("\n") < 450  # "before line 450"
     assert source[:source.index("\ndef main(")].count("\n") < 1100  # "before line 1,100"
 
 

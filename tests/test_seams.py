@@ -341,24 +341,28 @@ def test_meta_init_keeps_the_tie_and_refuses_an_uninitialised_module(repo):
 
 
 @pytest.mark.parametrize("flags, file", [(["--optimizer", "muon"], "muon.py"), (["--wandb", "p"], "trackers.py"),
-                                         (["--tensorboard"], "trackers.py")])
+                                         (["--tensorboard"], "trackers.py"), (["--float8", "tensorwise"], "float8.py"),
+                                         (["--debug"], "debugging.py")])
 def test_a_flag_whose_file_was_not_copied_is_one_line(repo, flags, file):
-    """The trainer copied alone: --optimizer muon, --wandb and --tensorboard need this project's
-    muon.py or trackers.py beside it, said in one line before anything is written."""
+    """The trainer copied alone: --optimizer muon, --wandb, --tensorboard, --float8 and --debug need this
+    project's muon.py, trackers.py, float8.py or debugging.py beside it, said in one line before anything
+    is written."""
     res = launch(repo, ["--strategy", "none", "--out-dir", "alone", *flags])
     assert res.returncode == train_fsdp.EXIT_BAD_INPUT, res.stderr[-2000:]
-    assert res.stderr.strip() == (f"error: {' '.join(flags[:2 if flags[0] == '--optimizer' else 1])} needs {file} "
-                                  "beside train_fsdp.py (copy it from this project)")
+    flag = " ".join(flags[:2 if flags[0] == "--optimizer" else 1])
+    assert res.stderr.strip() == f"error: {flag} needs {file} beside train_fsdp.py (copy it from this project)"
     assert not (repo / "alone").exists()
 
 
 def test_a_companion_whose_own_import_fails_says_so(repo):
-    """muon.py copied, but what it imports is missing: the traceback names that module, and does
-    not ask for muon.py to be copied."""
+    """muon.py copied, but what it imports is missing: one line names that module, and does not ask
+    for muon.py to be copied; nothing is written."""
     (repo / "muon.py").write_text("import a_module_that_is_not_installed\n")
     res = launch(repo, ["--strategy", "none", "--out-dir", "broken", "--optimizer", "muon"])
-    assert res.returncode == 1 and "No module named 'a_module_that_is_not_installed'" in res.stderr, res.stderr
-    assert "copy it from this project" not in res.stderr
+    assert res.returncode == train_fsdp.EXIT_BAD_INPUT, res.stderr
+    assert res.stderr.strip() == ("error: --optimizer muon needs the a_module_that_is_not_installed package, "
+                                  "which is not installed: pip install a_module_that_is_not_installed")
+    assert not (repo / "broken").exists()
 
 
 def test_export_without_its_file_is_one_line(tmp_path):
@@ -411,7 +415,7 @@ def test_tied_parameters_stay_shared(repo, group, strategy, meta):
     wrapped = train_fsdp.wrap_model(model, {model_lib.Block}, {model_lib.Block}, cfg, topo, model.init_module)
     assert model.wte.weight is model.lm_head.weight or strategy == "fsdp"  # FSDP1: views into one flat parameter
     assert train_fsdp.local_parameter_count(wrapped) == plain_count
-    state = train_fsdp.get_model_state_dict(wrapped, options=train_fsdp.state_dict_options("save", topo.device))
+    state = train_fsdp.get_model_state_dict(wrapped, options=train_fsdp.StateDictOptions(full_state_dict=True))
     assert torch.equal(state["wte.weight"], state["lm_head.weight"])
     assert not any(p.isnan().any() for p in state.values())
 
@@ -432,7 +436,7 @@ def test_meta_init_gives_the_same_tied_weights_under_every_strategy(repo, group)
             model = model_lib.GPT(cfg.model)
         wrapped = train_fsdp.wrap_model(model, {model_lib.Block}, {model_lib.Block}, cfg, topo, model.init_module)
         states[strategy] = train_fsdp.get_model_state_dict(
-            wrapped, options=train_fsdp.state_dict_options("save", topo.device))
+            wrapped, options=train_fsdp.StateDictOptions(full_state_dict=True))
     for strategy, state in states.items():
         assert state.keys() == states["none"].keys()
         for k, v in state.items():
@@ -520,3 +524,31 @@ def test_the_trainer_imports_nothing_of_this_project():
     source = open(os.path.join(ROOT, "train_fsdp.py")).read()
     top = [line for line in source.splitlines() if re.match(r"(import|from) ", line)]
     assert not [line for line in top if re.search(r"\b(model|data|sample|bench|muon|trackers)\b", line)], top
+
+
+class ChildNamedModule(torch.nn.Module):
+    """A model whose own child is named `module`, the name DDP gives the model it wraps."""
+
+    def __init__(self):
+        super().__init__()
+        self.module, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.module(x))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "ddp", "none"])
+def test_a_child_named_module_keeps_its_weight_decay(group, strategy):
+    """The optimizer finds each parameter by its name in the plain model: `module.` is DDP's only where
+    DDP wraps, so a model's own child of that name keeps its weight decay under every strategy."""
+    cfg = train_fsdp.parse_config(["--strategy", strategy, "--auto-wrap", "module"],
+                                  train_fsdp.Config(model=train_fsdp.NoSettings(), data=train_fsdp.NoSettings()))
+    topo = train_fsdp.Topology(rank=0, world=1, local_world=1, device=torch.device("cpu"), backend="gloo")
+    topo = train_fsdp.dataclasses.replace(topo, mesh=train_fsdp.device_mesh(cfg, topo))
+    model = ChildNamedModule()
+    about = {"decay_names": train_fsdp.decayed_names(model), "hidden": set()}
+    assert about["decay_names"] == {"module.weight", "head.weight"}
+    wrapped = train_fsdp.wrap_model(model, {torch.nn.Linear}, set(), cfg, topo)
+    decay, no_decay = train_fsdp.build_optimizer(wrapped, cfg, 1e-3, topo.device, about).param_groups
+    assert decay["weight_decay"] == cfg.train.weight_decay > 0 and no_decay["weight_decay"] == 0
+    assert sorted(p.dim() for p in decay["params"]) == [2, 2] and sorted(p.dim() for p in no_decay["params"]) == [1, 1]

@@ -10,6 +10,7 @@ import struct
 import sys
 
 import pytest
+import torch.distributed.run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -223,25 +224,50 @@ def test_a_tracker_that_fails_mid_run_costs_one_line(tmp_path, monkeypatch, cach
     assert sorted(tensorboard_scalars(run / "tensorboard")[0]["loss"]) == [1, 2]
 
 
-@pytest.mark.parametrize("flag, module, package", [(["--tensorboard"], "torch.utils.tensorboard", "tensorboard"),
-                                                   (["--wandb", "p"], "wandb", "wandb")])
-def test_a_missing_tracker_package_is_bad_input(tmp_path, monkeypatch, flag, module, package):
-    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
-    with pytest.raises(train_fsdp.BadInput) as e:
-        train_fsdp.main(TINY + flag + ["--out-dir", str(tmp_path / "run")])
-    assert str(e.value) == f"{flag[0]} needs the {package} package, which is not installed: pip install {package}"
-    assert os.listdir(tmp_path) == []
+def missing_packages(tmp_path, *packages):
+    """An environment in which each of `packages` is missing: a package of its name first on the path
+    raises what Python's import raises for one that is not installed (ModuleNotFoundError, its name)."""
+    shadow = tmp_path / "shadow"
+    for package in packages:
+        (shadow / package).mkdir(parents=True)
+        (shadow / package / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n")
+    return dict(clean_env(), PYTHONPATH=str(shadow))
+
+
+@pytest.mark.parametrize("flag, package", [(["--tensorboard"], "tensorboard"), (["--wandb", "p"], "wandb")])
+def test_a_missing_tracker_package_is_bad_input(tmp_path, flag, package):
+    """--tensorboard imports torch.utils.tensorboard, whose own first line imports the tensorboard
+    package: missing there, deeper than the module asked for, it is still one line."""
+    out = tmp_path / "run"
+    res = script_runner.run("train_fsdp.py", TINY + flag + ["--out-dir", str(out)], ROOT,
+                            missing_packages(tmp_path, package))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip() == (f"error: {flag[0]} needs the {package} package, which is not installed: "
+                                  f"pip install {package}")
+    assert not out.exists()
+
+
+def test_a_missing_package_on_two_ranks_is_one_line(tmp_path):
+    """Under torchrun, the flag in a TOML file and the package missing on every rank: each rank says the
+    same one `error:` line before the process group exists, so the user reads it whichever rank stops
+    first (torchrun then ends the others); exit 2 and nothing written."""
+    config, out = tmp_path / "tb.toml", tmp_path / "run"
+    config.write_text("[train]\ntensorboard = true\n")
+    torchrun = torch.distributed.run.__file__
+    res = script_runner.run(torchrun, ["--standalone", "--nproc_per_node", "2", "train_fsdp.py", *TINY, "--config",
+                                       str(config), "--out-dir", str(out)], ROOT, missing_packages(tmp_path, "tensorboard"))
+    errors = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+    assert 1 <= len(errors) <= 2 and set(errors) == {
+        "error: --tensorboard needs the tensorboard package, which is not installed: pip install tensorboard"}, \
+        res.stderr[-3000:]
+    assert res.returncode != 0 and not out.exists()
 
 
 def test_missing_optional_packages_on_the_command_line(tmp_path):
-    """Each command that takes an optional package, with the package shadowed by one that fails
-    to import: one `error:` line naming what to install, exit code 2, nothing written."""
-    shadow = tmp_path / "shadow"
-    for package in ("wandb", "matplotlib"):
-        (shadow / package).mkdir(parents=True)
-        (shadow / package / "__init__.py").write_text("raise ImportError('not installed')\n")
-    env = clean_env()
-    env["PYTHONPATH"] = str(shadow)
+    """Each command that takes an optional package, with the package missing: one `error:` line
+    naming what to install, exit code 2, nothing written."""
+    env = missing_packages(tmp_path, "wandb", "matplotlib")
     out = tmp_path / "out"
     commands = {("train_fsdp.py", "--wandb", "p", "--out-dir", str(out)): "--wandb needs the wandb package",
                 ("sample.py", "--ckpt", str(out), "--demo", "--figure"): "--figure needs the matplotlib package"}

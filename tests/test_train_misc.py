@@ -1,4 +1,5 @@
-"""Learning-rate schedule, LR scaling, epochs, --profile and --compile with FSDP."""
+"""Learning-rate schedule, LR scaling, epochs, --profile and --compile with FSDP, gradient clipping, and
+the warnings the trainer hides (its own calls' only)."""
 import json
 import os
 import subprocess
@@ -12,10 +13,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import script_runner  # noqa: E402
+
 import data as data_lib  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_fsdp  # noqa: E402
-from test_distributed import assert_same, launch  # noqa: E402
+from test_distributed import TINY, assert_same, clean_env, launch  # noqa: E402
 
 
 def test_lr_warmup_then_cosine_to_min():
@@ -30,15 +33,27 @@ def test_lr_warmup_then_cosine_to_min():
 
 
 def test_grad_clip_scales_the_gradients_to_the_limit():
-    """--grad-clip: the norm returned (and logged) is the one before clipping; the gradients then have the limit's
-    norm, or are untouched at 0. The equivalence tests compare runs clipped alike: only this sees a limit ignored."""
+    """--grad-clip: the norm train_step returns (and logs) is the one before clipping; the optimizer then steps
+    with gradients of the limit's norm, or untouched at 0. The equivalence tests compare runs clipped alike: only
+    this sees a limit ignored."""
     for limit, after in ((1.0, 1.0), (0.0, 10.0)):
         model = torch.nn.Linear(4, 4, bias=False)
-        model.weight.grad = torch.full((4, 4), 2.5)  # norm 10
-        cfg = SimpleNamespace(train=SimpleNamespace(grad_clip=limit, strategy="none"))
-        norm = train_fsdp.clip_gradients(model, cfg)
+        seen = {}
+
+        class Reader:  # stands in for the optimizer: keeps the gradient it would step with
+            def step(self):
+                seen["grad"] = model.weight.grad.clone()
+
+            def zero_grad(self, set_to_none=True):
+                model.zero_grad(set_to_none=set_to_none)
+
+        def loss_fn(model, x, y, cfg):
+            return (model.weight * 2.5).sum(), {}  # every gradient 2.5: norm 10
+        cfg = train_fsdp.parse_config(["--strategy", "none", "--grad-clip", str(limit)])
+        batch = [(torch.zeros(1), torch.zeros(1))]
+        _, norm, _ = train_fsdp.train_step(model, Reader(), None, batch, cfg, loss_fn, train_fsdp.STRATEGIES["none"])
         assert norm.item() == pytest.approx(10.0)
-        assert model.weight.grad.norm().item() == pytest.approx(after, rel=1e-5)
+        assert seen["grad"].norm().item() == pytest.approx(after, rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +240,21 @@ def test_bench_timeout_stops_the_workers_too(tmp_path, monkeypatch):
         except OSError:
             pass
     assert not left, f"processes of the stopped entry still running: {left}"
+
+
+def test_the_trainer_hides_its_own_notices_only(tmp_path):
+    """FSDP1 on one process switches to NO_SHARD and says so at the wrap and every state dict: hidden
+    around the trainer's own calls, so a one-process fsdp run shows none. A program that imports the
+    trainer still sees every warning of its own, those of that text and of DCP included."""
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONWARNINGS"}
+    run = script_runner.run("train_fsdp.py", TINY + ["--strategy", "fsdp", "--max-steps", "2", "--save-every", "1",
+                                                      "--out-dir", str(tmp_path / "run")], ROOT, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Warning" not in run.stderr, run.stderr[-3000:]
+    script = ("import warnings, train_fsdp\n"
+              "with warnings.catch_warnings(record=True) as seen:\n"
+              "    warnings.warn('FSDP is switching to use `NO_SHARD` in my own code')\n"
+              "    warnings.warn('my own torch.distributed.checkpoint notice')\n"
+              "print(len(seen))\n")
+    res = script_runner.run("-c", [script], ROOT, env)
+    assert res.returncode == 0 and res.stdout.split() == ["2"], res.stderr[-3000:]
