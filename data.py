@@ -19,11 +19,13 @@ import io
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import shutil
 import socket
 import sys
+import threading
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +40,10 @@ import tqdm
 
 class DataError(ValueError):
     """Bad user input; the message is one line naming the bad value and what is valid."""
+
+
+class BuildFailed(RuntimeError):
+    """The machine failed the build (a full disk, a worker killed): one line, exit code 1."""
 
 
 def opt(default, help, choices=None):
@@ -269,7 +275,7 @@ def list_sources(path: str, flag: str) -> list[Path]:
     if p.is_dir():
         if flag == "--dataset" and (p / "train.bin").is_file():
             return [(p / "train.bin").resolve()]
-        found = {kind: sorted(f.resolve() for f in p.rglob("*" + kind) if f.is_file())
+        found = {kind: sorted({f.resolve() for f in files_under(p) if f.name.endswith(kind)})
                  for kind in TEXT_KINDS}
         found = {kind: files for kind, files in found.items() if files}
         if len(found) > 1:
@@ -282,6 +288,23 @@ def list_sources(path: str, flag: str) -> list[Path]:
     if p.suffix not in TEXT_KINDS + (".bin",):
         raise DataError(f"{flag} {path}: unsupported file extension '{p.suffix}'; use {kinds}")
     return [p.resolve()]
+
+
+def files_under(root: Path) -> list[Path]:
+    """The files in root and its subdirectories, a link to a directory followed like a directory
+    (Path.rglob skips them); a directory reached twice (a link loop) is read once."""
+    seen, files = set(), []
+
+    def unlisted(e):  # os.walk would skip a directory it cannot list, and half a corpus with it
+        raise DataError(f"{e.filename}: cannot be listed ({e.strerror}); every directory of a "
+                        "corpus must be readable")
+    for d, dirs, names in os.walk(root, followlinks=True, onerror=unlisted):
+        if os.path.realpath(d) in seen:
+            dirs.clear()
+            continue
+        seen.add(os.path.realpath(d))
+        files += [Path(d, n) for n in names if os.path.isfile(os.path.join(d, n))]
+    return files
 
 
 # --- reading the corpus in parts ------------------------------------------------------------------
@@ -328,6 +351,8 @@ def read_part(part: Part):
     if part.path.suffix == ".txt":
         yield part.lo == 0, lines
         return
+    if part.lo == 0:  # a .jsonl file saved with a byte order mark (U+FEFF) starts after it
+        lines = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -374,7 +399,14 @@ def parquet_file(path: Path):
 
 
 def parquet_texts(part: Part) -> list[str]:
-    texts = parquet_file(part.path).read_row_group(part.lo, columns=["text"]).column(0).to_pylist()
+    try:
+        group = parquet_file(part.path).read_row_group(part.lo, columns=["text"])
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow's OSError or ArrowInvalid: its footer read, its data not
+        raise DataError(f"{part.path} row group {part.lo}: cannot be read "
+                        f"({str(e).splitlines()[0]}); rewrite or remove the shard") from None
+    texts = group.column(0).to_pylist()
     if None in texts:
         row = (sum(parquet_file(part.path).metadata.row_group(i).num_rows for i in range(part.lo))
                + texts.index(None))
@@ -398,7 +430,8 @@ def in_order(fn, items, workers: int, initializer=None, initargs=()):
     # collective, and a fork copies the locks other threads hold, which the child may then need.
     # The server imports the main module once, then forks each worker from one thread.
     server = multiprocessing.get_context("forkserver")
-    with concurrent.futures.ProcessPoolExecutor(workers, server, initializer, initargs) as pool:
+    with concurrent.futures.ProcessPoolExecutor(workers, server, start_pool_worker,
+                                                (initializer, initargs)) as pool:
         pending = collections.deque()
         try:
             for item in items:
@@ -407,9 +440,25 @@ def in_order(fn, items, workers: int, initializer=None, initargs=()):
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
+        except concurrent.futures.process.BrokenProcessPool:
+            raise BuildFailed(f"a data worker process died (killed, most likely for want of "
+                              f"memory); lower --data-workers (it was {workers})") from None
         finally:  # an error, or a reader that stops early: what has not started never will
             for future in pending:
                 future.cancel()
+
+
+def start_pool_worker(initializer, initargs):
+    """A worker ends when the process that asked for it does, killed too: it would wait for work
+    forever (and keep the fork server, which ends with its last worker, alive with it)."""
+    parent = multiprocessing.parent_process()
+
+    def exit_with_parent():
+        multiprocessing.connection.wait([parent.sentinel])  # ready when the parent has ended
+        os._exit(1)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+    if initializer:
+        initializer(*initargs)
 
 
 def data_workers(cfg: DataConfig) -> int:
@@ -573,7 +622,7 @@ def train_tokenizer(cfg: DataConfig, parts: list[Part], out: Path) -> Path:
         try:
             for lines in in_order(part_sentences, sample, workers):
                 yield from lines
-        except DataError as e:
+        except Exception as e:  # bad input, an unreadable file, a dead worker: said as such
             errors.append(e)
             raise
 
@@ -737,7 +786,15 @@ def prepare_data(cfg: DataConfig) -> None:
     """Build the token cache for cfg (rank 0 only); a no-op for synthetic data and an up-to-date
     cache. Bad input writes nothing: what needs no tokenising is checked first, and the rest is
     built in a private temporary directory, renamed into place when complete and deleted on any
-    failure."""
+    failure. A file or directory this process may not read or write is DataError (bad input)."""
+    try:
+        build_if_stale(cfg)
+    except PermissionError as e:  # a corpus file, or the cache directory
+        raise DataError(f"{e.filename}: {e.strerror}; the corpus must be readable and "
+                        "--cache-dir writable by this process") from None
+
+
+def build_if_stale(cfg: DataConfig) -> None:
     check_config(cfg)
     if cfg.dataset in ("synthetic", "random"):
         return
@@ -768,14 +825,26 @@ def prepare_data(cfg: DataConfig) -> None:
         manifest = build(cfg, sources, {"inputs": inputs, "sha256": hashes}, tmp, out)
         check_lengths(cfg, manifest, bool(val_paths))
         publish(tmp, out)
-    except BaseException:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing behind
+    except BaseException as e:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing
+        free = None if isinstance(e, (DataError, KeyboardInterrupt)) else free_if_full(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         for d in created:
             try:
                 d.rmdir()
             except OSError:  # not empty: something else is using it now
                 break
+        if free is not None:  # numpy says "N requested and M written", sentencepiece other things
+            raise BuildFailed(f"{os.strerror(errno.ENOSPC)}: the disk of {tmp.parent} is full "
+                              f"({free:,} bytes free) while building the token cache; nothing was "
+                              "kept: free space, or give --cache-dir on another disk") from None
         raise
+
+
+def free_if_full(path: Path) -> int | None:
+    """The bytes free on path's disk when they are too few to write on (< 1 MiB), else None."""
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    return free if free < 2**20 else None
 
 
 def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
@@ -809,6 +878,13 @@ def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dic
     return manifest
 
 
+def looks_like_uint32(path: Path, n: int) -> bool:
+    """Ids below 65,536 written as uint32 make every second uint16 a zero (the high halves): over
+    1,024 pairs or more, a uint16 stream does not look so."""
+    head = np.memmap(path, dtype=np.uint16, mode="r", shape=(min(n, 1 << 20) // 2 * 2,))
+    return len(head) >= 2048 and not head[1::2].any() and bool(head[0::2].any())
+
+
 def largest_id(chunk) -> int:
     path, dtype, lo, hi = chunk
     return int(np.memmap(path, dtype=dtype, mode="r", offset=lo * np.dtype(dtype).itemsize,
@@ -822,6 +898,10 @@ def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) 
     dtype, model = np.dtype(cfg.token_dtype), sources["model"]
     sp = spm.SentencePieceProcessor(model_file=str(model)) if model else None
     vocab = sp.vocab_size() if sp else cfg.tokenizer_vocab_size
+    if vocab > np.iinfo(dtype).max + 1:  # no uint16 reaches such ids: they would pass unseen
+        raise DataError(f"a vocabulary of {vocab:,} tokens does not fit --token-dtype "
+                        f"{dtype.name} (ids below {np.iinfo(dtype).max + 1:,}); a tokenizer this "
+                        "large writes uint32: pass --token-dtype uint32")
     counts = {}
     for path in sources["train"] + sources["val"]:
         size = path.stat().st_size
@@ -829,6 +909,9 @@ def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) 
             raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; "
                             "check --token-dtype (uint16 or uint32)")
         counts[path] = size // dtype.itemsize
+        if dtype == np.uint16 and looks_like_uint32(path, counts[path]):
+            raise DataError(f"{path} looks like uint32 token ids read as uint16 (every second "
+                            "uint16 of its first 1M is 0); pass --token-dtype uint32")
     step = PART_BYTES // dtype.itemsize
     chunks = [(str(p), dtype.name, lo, min(n, lo + step)) for p, n in counts.items()
               for lo in range(0, n, step)]
@@ -918,11 +1001,22 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the machine's fault (a full disk, a killed worker): one line, exit 1
+        print(f"error: {fault_line(e)}", file=sys.stderr)
+        return 1
     if cfg.dataset in ("synthetic", "random"):
         print(f"data: --dataset {cfg.dataset} is generated by every run; there is nothing to build")
     else:
         print(f"data: the token cache is ready in {cache_dir_for(cfg)}")
     return 0
+
+
+def fault_line(e: Exception) -> str:
+    if isinstance(e, BuildFailed):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -940,8 +1034,9 @@ def config_data_table(path: str) -> dict:
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f).get("data", {})
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise DataError(f"--config {path}: {e}") from None
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        utf8 = ", TOML files are UTF-8" if isinstance(e, UnicodeDecodeError) else ""
+        raise DataError(f"--config {path}: not valid TOML{utf8} ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(DataConfig)}
     for key, value in table.items():
         if key not in fields:
@@ -956,4 +1051,7 @@ def config_data_table(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As the module `data`: what the worker processes send back (a DataError) is then pickled by a
+    # name that this process can import, whatever runs it (it would be __main__.DataError).
+    import data
+    sys.exit(data.main())

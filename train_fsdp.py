@@ -37,6 +37,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -515,9 +516,8 @@ def shard_fsdp2(model, units, last, cfg, topo):
     last block and the root run first in backward: they stay gathered after forward."""
     f = cfg.fsdp
     reshard = fsdp2_reshards(f)
-    offload = OffloadPolicy()
-    if f.cpu_offload:  # pinned host memory needs a GPU
-        offload = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+    pinned = topo.device.type == "cuda"  # pinned host memory needs a GPU
+    offload = CPUOffloadPolicy(pin_memory=pinned) if f.cpu_offload else OffloadPolicy()
     # Only the root casts its floating inputs to param_dtype, as FSDP1 does: by default FSDP2 casts
     # every unit's, the fp32 rotary tables the blocks receive included.
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[f.param_dtype], cast_forward_inputs=False,
@@ -657,8 +657,7 @@ STRATEGIES["none"] = dataclasses.replace(  # DDP's, without DDP: one process, no
 
 
 # =============================================================================================
-# What the strategies share: wrap_model, which hands the model to its strategy; the units; compile,
-# activation checkpointing; precision; the device mesh.
+# What the strategies share: wrap_model (it hands the model over), units, compile, precision, mesh.
 
 
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
@@ -1167,17 +1166,17 @@ def leave(code):
 # Reference: rank 0's file work, and the errors every rank learns
 
 
-def rank0_does(fn, rank, failure=BadInput, what="its file work"):
+def rank0_does(fn, rank, failure=None, what="its file work"):
     """Run fn on rank 0 only (file work: a token cache, a checkpoint); every rank returns its result
-    or raises failure(its error): no rank is left waiting alone. No collective times out however
-    long fn takes: rank 0 runs it in a thread and says every COLLECTIVE_TIMEOUT / 10 it is at it."""
-    box = [None, None]  # error, result
+    or raises failure(its error): by default BadInput, RunFailed for a RuntimeError (the machine's).
+    No collective times out: rank 0 runs fn in a thread, saying every COLLECTIVE_TIMEOUT / 10 so."""
+    box = [None, None]  # (error, a fault of the machine?), result
 
     def run_into_box():
         try:
             box[1] = fn()
         except Exception as e:  # anything (a full disk, not a checkpoint) must stop every rank
-            box[0] = error_line(e)
+            box[0] = (error_line(e), isinstance(e, RuntimeError))
     if rank == 0:
         work = threading.Thread(target=run_into_box, daemon=True)
         work.start()
@@ -1192,7 +1191,8 @@ def rank0_does(fn, rank, failure=BadInput, what="its file work"):
         if beat == 0 and rank == max(node_first, 1):  # the first waiting rank of a node says it
             print(f"rank {rank}: waiting for rank 0 ({what}), with no time limit", flush=True)
     if message[1]:
-        raise failure(message[1])
+        text, fault = message[1]
+        raise (failure or (RunFailed if fault else BadInput))(text)
     return message[2]
 
 
@@ -1207,7 +1207,7 @@ def error_line(e):
     """One line for an exception: ours and a seam's ValueError as is, an OSError by its file."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}"
-    if isinstance(e, (BadInput, RunFailed, ValueError)):
+    if isinstance(e, (BadInput, RunFailed, ValueError, RuntimeError)):
         return str(e)
     return f"{type(e).__name__}: {e}"
 
@@ -2187,13 +2187,14 @@ class StartClock:
 
 def keep_compile_cache(cfg):
     """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run, a
-    resume and a requeue to another node find them (a torch, card or model change just misses).
-    Made before the run directory: a bad path is one line, not a traceback at the first compile."""
+    resume and a requeue find them. Made and written before the run directory: a bad path is one
+    line, not a traceback at the first compile (a torch, card or model change just misses)."""
     if cfg.train.compile:
         beside = os.path.join(os.path.dirname(os.path.abspath(cfg.train.out_dir)), ".compile_cache")
         cache = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
         try:
             os.makedirs(cache, exist_ok=True)
+            tempfile.TemporaryFile(dir=cache).close()  # a read-only directory passes makedirs
         except OSError as e:
             raise BadInput(f"compile cache {cache}: {e.strerror}; give --compile-cache a directory "
                            "this process can create and write") from None
@@ -2341,9 +2342,8 @@ def describe_units(model, cfg, n_params):
     if one_unit(f, n_params):
         return (f"FSDP units: 1, the whole model: --auto-wrap auto keeps a model below "
                 f"{ONE_UNIT_BELOW:,} parameters whole (--auto-wrap module: a unit per block)")
-    if f.auto_wrap == "size":
-        return f"FSDP units: {count}: the root, and modules of >= {f.min_num_params:,} parameters"
-    return f"FSDP units: {count}: the root, and each block (--auto-wrap {f.auto_wrap})"
+    what = "each block" if f.auto_wrap != "size" else f"modules of >= {f.min_num_params:,} params"
+    return f"FSDP units: {count}: the root, and {what} (--auto-wrap {f.auto_wrap})"
 
 
 def loss_precision(cfg):
