@@ -3,10 +3,13 @@
 
     python convert_to_hf.py RUN/checkpoints/step_N OUT_DIR      # or RUN/checkpoints/latest, best
 
-OUT_DIR gets config.json (LlamaForCausalLM), model.safetensors (the checkpoint's fp32 weights)
-and the run's tokenizer as a `tokenizers` tokenizer.json that gives the ids of the run's
-SentencePiece model. It reads sharded and full checkpoints of every strategy through the
-trainer's own loading (train_fsdp.init_weights_from), in this one CPU process.
+OUT_DIR gets config.json (the family the model came from with --init-from a model directory:
+Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms; LlamaForCausalLM for a
+model trained here from scratch), model.safetensors (the checkpoint's fp32 weights) and the run's
+tokenizer: a downloaded model's own files, or, for one data.py trained, a `tokenizers`
+tokenizer.json that gives the ids of the run's SentencePiece model. It reads sharded and full
+checkpoints of every strategy through the trainer's own loading (train_fsdp.init_weights_from),
+in this one CPU process.
 
 A file of its own, not a train_fsdp.py flag: the trainer is the one file researchers copy into
 their repo, with any model; this converter knows this project's model and tokenizer and needs
@@ -14,15 +17,17 @@ packages the trainer does not (transformers, safetensors, protobuf), imported on
 (The trainer's --export is another thing: it consolidates a sharded checkpoint into model.pt.)
 
 The baseline is Llama's architecture and its conventions already match, so every weight is
-copied unchanged:
+copied unchanged (model.py's hf_name gives each its name):
 - rotary: model.apply_rope rotates (first half, second half) pairs of a head with
   inv_freq = theta^(-2i/head_dim), which is HF's rotate_half. The row permutation of Meta's
   checkpoints converts the interleaved layout, which this model does not use: none here.
 - grouped-query attention: query head h reads key/value head h // (n_head / n_kv_head) in both
   (SDPA's enable_gqa, HF's repeat_kv); heads are contiguous rows of wq/wk/wv in both.
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in fp32: rms_norm_eps = norm_eps.
-- attention scale 1/sqrt(head_dim) (SDPA's default), no biases, SwiGLU w1/w3/w2 = gate/up/down.
+- attention scale 1/sqrt(head_dim) (SDPA's default), SwiGLU w1/w3/w2 = gate/up/down; Qwen2's
+  q/k/v biases and Qwen3's per-head q/k RMSNorm under their own names.
 - tied embeddings: one tensor in the file, tie_word_embeddings in the config.
+- RoPE scaling (Llama 3.1's llama3) and a head size other than hidden / heads, in the config.
 - vocabulary: a --vocab-size padded past the tokenizer keeps its rows, so the logits (and their
   softmax) are the model's; the tokenizer never produces the padded ids.
 The Free Transformer is refused: its latent path has no Hugging Face architecture.
@@ -43,14 +48,9 @@ import train_fsdp
 from train_fsdp import BadInput, RunFailed
 
 USAGE = "usage: python convert_to_hf.py CHECKPOINT_DIR OUT_DIR"
-# Our parameter names (after the block index) -> Llama's; a name not here stops the conversion.
-BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq.weight": "self_attn.q_proj.weight",
-               "attn.wk.weight": "self_attn.k_proj.weight", "attn.wv.weight": "self_attn.v_proj.weight",
-               "attn.wo.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-               "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w3.weight": "mlp.up_proj.weight",
-               "mlp.w2.weight": "mlp.down_proj.weight"}
-TOP_NAMES = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
+# A downloaded model's tokenizer files, copied as they are (data.whole_texts tells such a tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
 
 
 def import_optional():
@@ -65,32 +65,23 @@ def import_optional():
 
 
 def hf_config(cfg, meta, tokenizer):
-    """LlamaForCausalLM's config.json for the model config `cfg`. Written as a plain dict with
-    the rotary base under both the transformers 4 (rope_theta) and 5 (rope_parameters) names,
-    so either release reads it."""
+    """config.json of the model's family (model.hf_config) for the model config `cfg`, with the
+    tokenizer's BOS and EOS ids. max_position_embeddings: the training length, to which lm-eval
+    truncates inputs; a downloaded model's own when it was longer."""
     data = meta["config"]["data"]
     seq_len = data["seq_len"] or (data_lib.SYNTH_ROW - 1 if data["dataset"] == "synthetic" else data_lib.TEXT_SEQ_LEN)
-    special = {"eos_token_id": tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else {}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
-            "head_dim": cfg.d_model // cfg.n_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "max_position_embeddings": seq_len,  # the training length; lm-eval truncates inputs to it
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32", "use_cache": True, **special}
+    if cfg.rope_scaling == "llama3":
+        seq_len = max(seq_len, int(cfg.rope_original_context * cfg.rope_factor))
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos")
+               if getattr(tokenizer, f"{name}_token_id") is not None}
+    return model_lib.hf_config(cfg, seq_len, special)
 
 
 def hf_weights(state, cfg):
-    """Our state dict -> Llama's names; tensors unchanged (see the module docstring)."""
+    """Our state dict -> the family's names; tensors unchanged (see the module docstring)."""
     out = {}
     for name, tensor in state.items():
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            new = f"model.layers.{i}.{BLOCK_NAMES[rest]}" if rest in BLOCK_NAMES else None
-        else:
-            new = TOP_NAMES.get(name)
+        new = model_lib.hf_name(name)
         if new is None:
             raise RunFailed(f"parameter {name} has no Hugging Face name (model.py changed?); update convert_to_hf.py")
         if not (new == "lm_head.weight" and cfg.tie_embeddings):  # tied: the file holds the embedding once
@@ -158,11 +149,14 @@ def synthetic_tokenizer():
 
 
 def hf_tokenizer(tokenizer_path):
-    """The run's tokenizer (meta.json's "tokenizer": a SentencePiece .model, or "" for the
-    synthetic task) as a transformers tokenizer that adds no BOS/EOS."""
-    from transformers import PreTrainedTokenizerFast
+    """The run's tokenizer (meta.json's "tokenizer": a SentencePiece .model or a downloaded model's
+    tokenizer, or "" for the synthetic task) as a transformers tokenizer; data.py's own add no
+    BOS/EOS."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     if tokenizer_path and not os.path.isfile(tokenizer_path):
         raise BadInput(f"tokenizer {tokenizer_path} not found; the run's tokenizer must stay where it was trained")
+    if tokenizer_path and data_lib.whole_texts(tokenizer_path):  # a downloaded model's, as it came
+        return AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_path))
     tok, special = sentencepiece_tokenizer(tokenizer_path) if tokenizer_path else synthetic_tokenizer()
     return PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True,
                                    clean_up_tokenization_spaces=False, **special)
@@ -229,8 +223,7 @@ def convert(path, out_dir):
         safetensors.torch.save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         # safetensors creates its file owner-only (0600); give it the mode of the files beside it
         shutil.copymode(os.path.join(tmp, "config.json"), os.path.join(tmp, "model.safetensors"))
-        tokenizer.save_pretrained(tmp)
-        pin_tokenizer_class(tmp)
+        copy_or_save_tokenizer(meta["tokenizer"], tokenizer, tmp)
         os.replace(tmp, target)  # replaces an empty OUT_DIR too
     except Exception as e:  # a full disk: safetensors raises its own error type, not OSError
         shutil.rmtree(tmp, ignore_errors=True)
@@ -239,7 +232,7 @@ def convert(path, out_dir):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"wrote {out_dir} (LlamaForCausalLM, step {meta['step']}, "
+    print(f"wrote {out_dir} ({config['architectures'][0]}, step {meta['step']}, "
           f"{model_lib.count_params(model):,} parameters)")
 
 
@@ -247,6 +240,17 @@ def write_json(path, obj):
     with open(path, "w") as fh:
         json.dump(obj, fh, indent=2)
         fh.write("\n")
+
+
+def copy_or_save_tokenizer(tokenizer_path, tokenizer, out_dir):
+    """A downloaded model's tokenizer files as they are; one data.py made, saved by transformers."""
+    if tokenizer_path and data_lib.whole_texts(tokenizer_path):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(os.path.dirname(tokenizer_path), name)):
+                shutil.copy(os.path.join(os.path.dirname(tokenizer_path), name), out_dir)
+        return
+    tokenizer.save_pretrained(out_dir)
+    pin_tokenizer_class(out_dir)
 
 
 def pin_tokenizer_class(out_dir):

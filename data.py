@@ -61,8 +61,8 @@ class DataConfig:
                         "--val-fraction of the tokens")
     val_fraction: float = opt(0.01, "fraction of the tokens held out for validation (no "
                               "--val-path), in (0, 0.5]")
-    tokenizer: str = opt("",
-                         "existing SentencePiece .model to use; empty = train one on the corpus")
+    tokenizer: str = opt("", "existing tokenizer to use: a SentencePiece .model, or a model "
+                         "directory's tokenizer.json; empty = train one on the corpus")
     tokenizer_type: str = opt("bpe", "kind of tokenizer to train", ["bpe", "unigram", "char"])
     tokenizer_vocab_size: int = opt(4096, "vocabulary size of a trained tokenizer (an upper bound "
                                     "for char) and of --dataset random")
@@ -213,14 +213,112 @@ class Dataset:
 
 
 def load_tokenizer(tokenizer_path: str):
-    """A run's tokenizer without its token files (for sampling): its SentencePiece model, or
-    None for the synthetic alphabet (a run's tokenizer_path is empty then)."""
+    """A run's tokenizer without its token files (for sampling): its SentencePiece model or
+    tokenizer.json, or None for the synthetic alphabet (a run's tokenizer_path is empty then)."""
     if not tokenizer_path:
         return None
     if not os.path.isfile(tokenizer_path):
         raise DataError(f"tokenizer {tokenizer_path} not found; the run's tokenizer must stay "
                         "where it was trained")
-    return spm.SentencePieceProcessor(model_file=tokenizer_path)
+    return open_tokenizer(tokenizer_path)
+
+
+def open_tokenizer(path, threads=-1):
+    """A SentencePiece .model, or a tokenizer.json (a downloaded model's, read by the `tokenizers`
+    package) behind the same methods; `threads`: SentencePiece's, -1 for its default."""
+    if str(path).endswith(".json"):
+        return HFTokenizer(Path(path))
+    return spm.SentencePieceProcessor(model_file=str(path), num_threads=threads)
+
+
+class HFTokenizer:
+    """A model directory's tokenizer.json as data.py and sample.py use a SentencePiece model: ids
+    as transformers' tokenizer gives them without special tokens; its BOS and EOS from the
+    directory's tokenizer_config.json (or config.json)."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path}: reading a tokenizer.json needs the tokenizers package, "
+                            "which is not installed: pip install tokenizers") from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library's errors: not JSON, or not a tokenizer
+            raise DataError(f"{path}: not a tokenizer.json ({str(e).splitlines()[0]})") from None
+        self.path, self.bos, self.eos = path, None, None
+        config = read_json_beside(path, "tokenizer_config.json")
+        eos = special(config.get("eos_token"))
+        if eos is not None:
+            self.eos = self.tok.token_to_id(eos)
+        if self.eos is None:  # a model's config.json names it by id (one, or the first of a list)
+            ids = read_json_beside(path, "config.json").get("eos_token_id")
+            self.eos = ids[0] if isinstance(ids, list) and ids else ids
+        added = self.tok.encode("x").ids  # the post-processor's own: Llama 3 adds a BOS first
+        if len(added) > 1 and added[1:] == self.tok.encode("x", add_special_tokens=False).ids:
+            self.bos = added[0]
+        elif config.get("add_bos_token") and special(config.get("bos_token")) is not None:
+            self.bos = self.tok.token_to_id(special(config["bos_token"]))
+
+    def encode(self, text):
+        if isinstance(text, list):
+            return [e.ids for e in self.tok.encode_batch(text, add_special_tokens=False)]
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def vocab_size(self):
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def eos_id(self):
+        return -1 if self.eos is None else self.eos
+
+    def bos_id(self):
+        return -1 if self.bos is None else self.bos
+
+    def unk_id(self):
+        return -1  # byte-level: every text has ids
+
+    def digest(self):
+        """sha256 of the tokenizer's definition and of the ids it marks documents with."""
+        definition = json.loads(self.tok.to_str())
+        return hashlib.sha256(json.dumps([definition, self.bos, self.eos]).encode()).hexdigest()
+
+
+def read_json_beside(path: Path, name: str) -> dict:
+    try:
+        return json.loads((path.parent / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def special(token):
+    """A special token of tokenizer_config.json: its text, written as a string or a dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def document_marks(tok, path) -> tuple[list[int], list[int]]:
+    """(BOS, separator) of each document. A model directory's tokenizer (tokenizer_config.json
+    beside it) marks them as its family does: BOS first where it adds one (Llama, Mistral), EOS
+    between. A tokenizer of data.py's own adds no BOS and separates by EOS, else "\n"."""
+    if not whole_texts(path):
+        return [], [tok.eos_id()] if tok.eos_id() >= 0 else tok.encode("\n")
+    config = read_json_beside(Path(path), "tokenizer_config.json")
+    adds_bos = isinstance(tok, HFTokenizer) or config.get("add_bos_token", True)  # LlamaTokenizer's
+    bos = [tok.bos_id()] if adds_bos and tok.bos_id() >= 0 else []
+    if tok.eos_id() < 0:
+        raise DataError(f"{path}: the tokenizer names no end-of-sequence token (eos_token in "
+                        "tokenizer_config.json, eos_token_id in config.json) to separate documents")
+    return bos, [tok.eos_id()]
+
+
+def whole_texts(path) -> bool:
+    """Whether documents are encoded whole, not line by line: a model directory's tokenizer joins
+    lines ("\n\n" is one token of byte-level BPE) and marks only a text's start (SentencePiece's
+    dummy prefix). data.py's own encode a line as they encode it in a text."""
+    beside = read_json_beside(Path(path), "tokenizer_config.json")
+    return str(path).endswith(".json") or bool(beside)
 
 
 def encode(sp, text: str) -> list[int]:
@@ -331,6 +429,10 @@ def parts_of(path: Path) -> list[Part]:
         while lo < size or not parts:
             f.seek(min(lo + PART_BYTES, size))
             hi = f.tell() + len(f.readline())  # after the next "\n", which always ends a line
+            # and after the blank lines that follow it: "\n\n" is one token of byte-level BPE
+            while hi < size and f.read(1) in (b"\n", b"\r"):
+                f.seek(hi)
+                hi += len(f.readline())
             parts.append(Part(path, lo, hi, hi - lo))
             lo = hi
     return parts
@@ -504,10 +606,10 @@ def resolve_inputs(cfg: DataConfig):
     model = Path(cfg.tokenizer).expanduser().resolve() if cfg.tokenizer else None
     if model and not model.is_file():
         raise DataError(f"--tokenizer {cfg.tokenizer}: no such file; give a SentencePiece .model "
-                        "or leave it empty")
+                        "or a tokenizer.json, or leave it empty")
     if model:
         try:
-            spm.SentencePieceProcessor(model_file=str(model))
+            document_marks(open_tokenizer(model), model)
         # sentencepiece's own message names neither the flag nor a remedy
         except (RuntimeError, OSError):
             raise DataError(f"--tokenizer {cfg.tokenizer}: not a SentencePiece model; give a "
@@ -523,10 +625,12 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def tokenizer_digest(sp: spm.SentencePieceProcessor) -> str:
+def tokenizer_digest(sp) -> str:
     """sha256 of each id's piece, score and kind: what encoding and decoding depend on. Not of the
     .model file, whose bytes also record where and how it was trained (staging directory,
-    threads)."""
+    threads). A tokenizer.json's: its own (HFTokenizer.digest)."""
+    if isinstance(sp, HFTokenizer):
+        return sp.digest()
     kinds = (sp.is_unknown, sp.is_control, sp.is_unused, sp.is_byte)
     table = [[sp.id_to_piece(i), sp.get_score(i), [is_kind(i) for is_kind in kinds]]
              for i in range(sp.vocab_size())]
@@ -665,13 +769,13 @@ def tokenizer_error(cfg: DataConfig, message: str) -> str:
 
 # --- tokenising -----------------------------------------------------------------------------------
 
-_worker_sp = None  # the tokenizer of this process, once start_worker has loaded it
+_worker = None  # (tokenizer, (BOS, separator), whole texts?) of this process, once loaded
 
 
 def start_worker(model: str) -> None:
-    global _worker_sp
-    # the processes are the parallelism
-    _worker_sp = spm.SentencePieceProcessor(model_file=model, num_threads=1)
+    global _worker
+    tok = open_tokenizer(model, threads=1)  # the processes are the parallelism
+    _worker = tok, document_marks(tok, model), whole_texts(model)
 
 
 def token_dtype(vocab_size: int):
@@ -679,21 +783,21 @@ def token_dtype(vocab_size: int):
 
 
 def encode_part(part: Part) -> np.ndarray:
-    """The token ids of a part, each document that starts in it preceded by the separator (EOS, else
-    "\\n"); write_tokens drops the stream's first, so documents are joined by one separator."""
-    sp = _worker_sp
+    """The token ids of a part, each document that starts in it preceded by the separator and BOS
+    (document_marks); write_tokens drops the stream's first separator, so documents are joined by
+    one. Lines are encoded one by one, or a part's text whole (whole_texts)."""
+    sp, (bos, separator), whole = _worker
     ids = array.array("i")
     for starts, lines in read_part(part):
         if starts:
-            ids.extend(separator(sp))
+            ids.extend(separator + bos)
+        if whole:
+            ids.extend(sp.encode("".join(lines)))
+            continue
         for batch in batched(lines, ENCODE_LINES):
             for line_ids in sp.encode(batch):
                 ids.extend(line_ids)
     return np.frombuffer(ids, np.int32).astype(token_dtype(sp.vocab_size()))
-
-
-def separator(sp) -> list[int]:
-    return [sp.eos_id()] if sp.eos_id() >= 0 else sp.encode("\n")
 
 
 def batched(iterable, n: int):
@@ -703,7 +807,7 @@ def batched(iterable, n: int):
 
 def write_tokens(sp, model: Path, parts: list[Part], dest: Path, workers: int, bar) -> int:
     """Tokenise the parts into dest, in order, on `workers` processes; returns the tokens' count."""
-    n, skip = 0, len(separator(sp))  # the stream starts with a separator: drop it
+    n, skip = 0, len(document_marks(sp, model)[1])  # the stream starts with a separator: drop it
     encoded = in_order(encode_part, parts, workers, start_worker, (str(model),))
     with open(dest, "wb") as f:
         for part, tokens in zip(parts, encoded):
@@ -853,7 +957,7 @@ def build_cache(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dic
     given tokenizer or None; `identity`: the manifest's inputs and sha256. Returns the manifest."""
     parts, workers = sources["parts"], data_workers(cfg)
     model = sources["model"] or train_tokenizer(cfg, parts["train"], tmp)
-    sp = spm.SentencePieceProcessor(model_file=str(model))
+    sp = open_tokenizer(model)
     dtype = token_dtype(sp.vocab_size())
     print(f"data: tokenizing {len(sources['train']) + len(sources['val'])} files into {out} with "
           f"{workers} processes")
@@ -896,7 +1000,7 @@ def check_token_files(cfg, sources: dict, identity: dict, tmp: Path, out: Path) 
     where they are, not copied. Checked, not trusted: every id must be below the vocabulary, read on
     every core at disk speed."""
     dtype, model = np.dtype(cfg.token_dtype), sources["model"]
-    sp = spm.SentencePieceProcessor(model_file=str(model)) if model else None
+    sp = open_tokenizer(model) if model else None
     vocab = sp.vocab_size() if sp else cfg.tokenizer_vocab_size
     if vocab > np.iinfo(dtype).max + 1:  # no uint16 reaches such ids: they would pass unseen
         raise DataError(f"a vocabulary of {vocab:,} tokens does not fit --token-dtype "
@@ -976,7 +1080,7 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
     train, val = (np.memmap(f, dtype=dtype, mode="r", offset=lo * dtype.itemsize, shape=(n,))
                   for f, lo, n in token_files(out, manifest).values())
     path = manifest["tokenizer_path"]
-    sp = spm.SentencePieceProcessor(model_file=path) if path else None
+    sp = open_tokenizer(path) if path else None
     return Dataset(train, val, seq_len, seq_len, manifest["vocab_size"], seed, (sp, path),
                    shift_windows=True, digests=manifest["digests"])
 

@@ -68,6 +68,22 @@ class ModelConfig:
                              ["pre_norm", "post_norm"])
     latent_std: float = opt(1.0, "rms of the post-sampler rows (of R) at init; under post_norm, "
                             "R's size against the normalised stream")
+    # What the families researchers download differ in (--init-from a Hugging Face directory sets
+    # them from its config.json); off by default.
+    head_dim: int = opt(0, "size of an attention head; 0 = d_model / n_head")
+    qkv_bias: bool = opt(False, "biases on the query, key and value projections (Qwen2)")
+    qk_norm: bool = opt(False, "RMSNorm on each head's queries and keys before RoPE (Qwen3)")
+    rope_scaling: str = opt("", "RoPE frequency scaling: '' (none) or llama3 (Llama 3.1, 3.2)",
+                            ["", "llama3"])
+    rope_factor: float = opt(8.0, "--rope-scaling llama3: how much longer the context is")
+    rope_low_freq_factor: float = opt(1.0, "--rope-scaling llama3: low_freq_factor")
+    rope_high_freq_factor: float = opt(4.0, "--rope-scaling llama3: high_freq_factor")
+    rope_original_context: int = opt(8192, "--rope-scaling llama3: the context it was trained "
+                                     "at (original_max_position_embeddings)")
+    sliding_window: int = opt(0, "a loaded model's attention window (0 = none), kept for its "
+                              "export; a window below --seq-len is refused")
+    hf_architecture: str = opt("", "the Hugging Face architecture the weights came from; "
+                               "convert_to_hf.py writes it back")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may change
     # the size preset's name (its fields are compared one by one) and the chunking of the Binary
@@ -87,6 +103,10 @@ class ModelConfig:
         return saved_fields(table)
 
 
+HF_FIELDS = ("head_dim", "qkv_bias", "qk_norm", "rope_scaling", "rope_factor",
+             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
+             "sliding_window", "hf_architecture")
+
 # The valid values of the numeric fields: (field, test, what is valid), each reported by its flag.
 RANGES = [
     ("n_layer", lambda v: v >= 1, ">= 1"), ("d_model", lambda v: v >= 1, ">= 1"),
@@ -95,7 +115,11 @@ RANGES = [
     ("dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("init_std", lambda v: v > 0, "> 0"),
     ("kappa", lambda v: v >= 0, ">= 0"), ("mapper_chunk", lambda v: v >= 1, ">= 1"),
     ("rope_theta", lambda v: v > 0, "> 0"), ("norm_eps", lambda v: v > 0, "> 0"),
-    ("latent_std", lambda v: v > 0, "> 0"),
+    ("latent_std", lambda v: v > 0, "> 0"), ("head_dim", lambda v: v >= 0 and v % 2 == 0,
+                                               ">= 0 and even"),
+    ("rope_factor", lambda v: v >= 1, ">= 1"), ("rope_original_context", lambda v: v >= 1, ">= 1"),
+    ("rope_low_freq_factor", lambda v: v > 0, "> 0"), ("sliding_window", lambda v: v >= 0, ">= 0"),
+    ("rope_high_freq_factor", lambda v: v > 0, "> 0"),
 ]
 
 
@@ -105,7 +129,9 @@ def saved_fields(table):
     iid rows of std init_std. Read every saved config through this, never with today's defaults."""
     before = {"latent_init": "random", "latent_inject": "pre_norm",
               "latent_std": table.get("init_std", 0.02)}
-    return {**before, **table}
+    # The fields of the downloaded families came later, off: the value every earlier run had.
+    later = {f.name: f.default for f in fields(ModelConfig) if f.name in HF_FIELDS}
+    return {**later, **before, **table}
 
 
 def check_model_config(cfg):
@@ -122,9 +148,12 @@ def check_model_config(cfg):
             raise ValueError(f"{flag(name)} {getattr(cfg, name)}: must be {text}")
     if cfg.arch not in ("free", "baseline"):
         raise ValueError(f"--arch {cfg.arch!r}: valid values are free, baseline")
-    if cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2:
+    if not cfg.head_dim and (cfg.d_model % cfg.n_head or (cfg.d_model // cfg.n_head) % 2):
         raise ValueError(f"--d-model {cfg.d_model} must be a multiple of --n-head {cfg.n_head} "
-                         "with an even head size")
+                         "with an even head size (or give --head-dim)")
+    if cfg.rope_scaling and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+        raise ValueError(f"--rope-high-freq-factor {cfg.rope_high_freq_factor} must be above "
+                         f"--rope-low-freq-factor {cfg.rope_low_freq_factor}")
     if cfg.n_head % (cfg.n_kv_head or cfg.n_head):
         raise ValueError(f"--n-kv-head {cfg.n_kv_head} must divide --n-head {cfg.n_head}")
     if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
@@ -172,17 +201,39 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).type_as(x)
 
 
-def rope_cos_sin(seq_len, head_dim, theta, device, offset=0):
+def head_size(cfg):
+    return cfg.head_dim or cfg.d_model // cfg.n_head
+
+
+def rope_cos_sin(seq_len, cfg, device, offset=0):
     """Rotary tables in fp32, computed on the fly.
 
     They are not registered buffers on purpose: FSDP's MixedPrecision(buffer_dtype=bf16) would
     cast a buffer to bf16, and bf16 positions lose precision past a few hundred tokens.
     """
+    head_dim = head_size(cfg)
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    if cfg.rope_scaling == "llama3":
+        inv_freq = llama3_scaled(inv_freq, cfg)
     pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     return freqs.cos(), freqs.sin()
+
+
+def llama3_scaled(inv_freq, cfg):
+    """Llama 3.1's RoPE scaling: wavelengths longer than original_context / low_freq_factor are
+    stretched by rope_factor, shorter than original_context / high_freq_factor kept, and those
+    between blended smoothly (transformers' _compute_llama3_parameters)."""
+    wavelen = 2 * math.pi / inv_freq
+    low, high = (cfg.rope_original_context / f
+                 for f in (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor))
+    scaled = torch.where(wavelen > low, inv_freq / cfg.rope_factor, inv_freq)
+    smooth = ((cfg.rope_original_context / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= high) & (wavelen <= low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x, cos, sin):
@@ -197,13 +248,16 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
-        self.head_dim = cfg.d_model // cfg.n_head
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=False)
+        self.head_dim = head_size(cfg)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
         self.wo.residual_out = True
         self.dropout = cfg.dropout
+        if cfg.qk_norm:  # over each head's head_dim values, one weight shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
     def forward(self, q_in, kv_in, cos, sin, causal, cache=None):
         """cache (generation only): a dict holding this layer's keys and values so far; a
@@ -211,10 +265,12 @@ class Attention(nn.Module):
         B, T, _ = kv_in.shape
         # q_in is (B, T, D), or one (1, 1, D) row shared by every position (the encoder's
         # constant ζ): then it is projected once and broadcast, not T times.
-        q = self.wq(q_in).expand(B, T, -1).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(kv_in).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.wq(q_in).expand(B, T, -1).view(B, T, self.n_head, self.head_dim)
+        k = self.wk(kv_in).view(B, T, self.n_kv_head, self.head_dim)
         v = self.wv(kv_in).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             if "k" in cache:
                 if T != 1:
@@ -397,6 +453,8 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear):
             s = std / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual_out", False) else std
             nn.init.normal_(m.weight, 0.0, s)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, std)
         elif isinstance(m, RMSNorm):
@@ -418,8 +476,7 @@ class Transformer(nn.Module):
     # once per forward, they are an input.
     @torch.compiler.disable
     def rope(self, seq_len, device, offset=0):
-        return rope_cos_sin(seq_len, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta,
-                            device, offset)
+        return rope_cos_sin(seq_len, self.cfg, device, offset)
 
     def forward(self, idx, mode="training", z=None, cache=None):
         """Returns (logits, latent); latent is always None for the baseline. `cache` is a list of
@@ -609,9 +666,9 @@ def matmul_params(cfg):
     """Parameters in a matmul per token (for FLOP counts): the blocks and the LM head, not the two
     lookups (embedding, post-sampler). The encoder block is a block less its query projection
     (ζ is projected once)."""
-    d, kv = cfg.d_model, cfg.n_kv_head * (cfg.d_model // cfg.n_head)
-    per_block = d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_hidden
-    encoder = per_block - d * d + d * cfg.latent_bits if cfg.arch == "free" else 0
+    d, q, kv = cfg.d_model, cfg.n_head * head_size(cfg), cfg.n_kv_head * head_size(cfg)
+    per_block = d * q * 2 + d * kv * 2 + 3 * d * cfg.ffn_hidden
+    encoder = per_block - d * q + d * cfg.latent_bits if cfg.arch == "free" else 0
     return cfg.n_layer * per_block + encoder + d * cfg.vocab_size
 
 
@@ -624,3 +681,118 @@ def flops_per_token(cfg, seq_len):
     if cfg.arch == "free":
         flops += 12 * cfg.d_model * seq_len + 2 * 2 ** cfg.latent_bits * cfg.d_model
     return flops
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face checkpoints: the families whose weights --init-from reads (hf_checkpoint.py) and
+# convert_to_hf.py writes. Their layout is this decoder's: the same rotary pairs (HF's
+# rotate_half), heads as contiguous rows of the projections, SwiGLU as gate/up/down; so a weight
+# is copied under another name, never permuted.
+
+HF_FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+HF_TOP_NAMES = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                "lm_head.weight": "lm_head.weight"}
+HF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.weight": "self_attn.k_proj.weight", "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wv.bias": "self_attn.v_proj.bias",
+    "attn.wo.weight": "self_attn.o_proj.weight", "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight", "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight", "mlp.w2.weight": "mlp.down_proj.weight"}
+
+
+def hf_name(name):
+    """The Hugging Face name of one of the baseline's parameters, or None (the Free Transformer's
+    latent path has none)."""
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"model.layers.{i}.{HF_BLOCK_NAMES[rest]}" if rest in HF_BLOCK_NAMES else None
+    return HF_TOP_NAMES.get(name)
+
+
+def hf_fields(config, seq_len):
+    """ModelConfig's fields for a Hugging Face config.json (a dict), as {field: (value, the
+    config.json key it comes from)}; ValueError, in one line, for a model this decoder is not."""
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in HF_FAMILIES:
+        raise ValueError(f"architecture {arch or '(none: no architectures)'} is not one this "
+                         f"decoder loads; supported: {', '.join(HF_FAMILIES)} (dense, no mixture "
+                         "of experts)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    window = config.get("sliding_window") if arch == "MistralForCausalLM" else None
+    act = config.get("hidden_act", "silu")
+    refusals = [(act != "silu", f"hidden_act {act}"),
+                (kind not in ("default", "llama3"), f"RoPE scaling {kind}"),
+                (bool(config.get("mlp_bias")), "mlp_bias"),
+                (arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias")),
+                 "attention_bias"),
+                (bool(config.get("use_sliding_window")), "use_sliding_window"),
+                (bool(window) and window < seq_len,
+                 f"a sliding window of {window} tokens, shorter than --seq-len {seq_len}")]
+    refused = [what for bad, what in refusals if bad]
+    if refused:
+        raise ValueError(f"{arch} with {', '.join(refused)}: this decoder computes another model")
+    try:
+        heads, width = config["num_attention_heads"], config["hidden_size"]
+        head_dim = config.get("head_dim") or width // heads
+        fields = {"n_layer": config["num_hidden_layers"], "d_model": width, "n_head": heads,
+                  "ffn_hidden": config["intermediate_size"], "vocab_size": config["vocab_size"],
+                  "norm_eps": float(config["rms_norm_eps"])}
+    except KeyError as e:
+        raise ValueError(f"config.json of a {arch} has no {e.args[0]}") from None
+    keys = {"n_layer": "num_hidden_layers", "d_model": "hidden_size",
+            "n_head": "num_attention_heads", "ffn_hidden": "intermediate_size",
+            "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps"}
+    out = {name: (value, keys[name]) for name, value in fields.items()}
+    theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    out.update(
+        arch=("baseline", "architectures"), hf_architecture=(arch, "architectures"),
+        n_kv_head=(config.get("num_key_value_heads") or heads, "num_key_value_heads"),
+        head_dim=(0 if head_dim * heads == width else head_dim, "head_dim"),
+        rope_theta=(float(theta), "rope_theta"),
+        tie_embeddings=(bool(config.get("tie_word_embeddings", False)), "tie_word_embeddings"),
+        qkv_bias=(arch == "Qwen2ForCausalLM", "architectures"),
+        qk_norm=(arch == "Qwen3ForCausalLM", "architectures"),
+        sliding_window=(window or 0, "sliding_window"),
+        rope_scaling=("llama3" if kind == "llama3" else "", "rope_scaling"))
+    if kind == "llama3":
+        for name, key in (("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
+                          ("rope_high_freq_factor", "high_freq_factor"),
+                          ("rope_original_context", "original_max_position_embeddings")):
+            out[name] = (type(getattr(ModelConfig, name))(rope[key]), f"rope_scaling.{key}")
+    return out
+
+
+def hf_config(cfg, max_positions, special_ids):
+    """config.json of the family the model came from (cfg.hf_architecture; a model trained here
+    is Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms). The rotary settings are written under
+    both transformers 4's (rope_theta, rope_scaling) and 5's (rope_parameters) names."""
+    arch = cfg.hf_architecture or ("Qwen3ForCausalLM" if cfg.qk_norm else
+                                   "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
+    scaling = ({"rope_type": "llama3", "factor": cfg.rope_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_context}
+               if cfg.rope_scaling == "llama3" else None)
+    config = {"architectures": [arch], "model_type": HF_FAMILIES[arch],
+              "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+              "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
+              "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+              "head_dim": head_size(cfg), "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+              "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+              "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                  **(scaling or {})},
+              "max_position_embeddings": max_positions, "attention_dropout": 0.0,
+              "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+              "use_cache": True, **special_ids}
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        config.update(attention_bias=False, mlp_bias=False)
+    if arch == "MistralForCausalLM":
+        config["sliding_window"] = cfg.sliding_window or None
+    if arch.startswith("Qwen"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+    return config

@@ -241,6 +241,7 @@ def main(argv=None):
     try:
         model, ckpt = load_model(args.ckpt, device)
         sp = data_lib.load_tokenizer(ckpt["tokenizer"])
+        bos = [] if sp is None else data_lib.document_marks(sp, ckpt["tokenizer"])[0]  # Llama's, Mistral's
         if sp is None and ckpt["config"]["data"]["dataset"] not in ("synthetic", "random"):
             fail(f"the run's data ({ckpt['config']['data']['dataset']}) came without a tokenizer, so its ids have "
                  "no text: train with --tokenizer MODEL (the SentencePiece model that wrote them) to sample")
@@ -256,14 +257,15 @@ def main(argv=None):
               file=sys.stderr)
     if args.demo:
         return demo(args, model, ckpt, device)
-    print_samples(args, model, sp, device)
+    print_samples(args, model, sp, bos, device)
     return None
 
 
-def print_samples(args, model, sp, device):
-    """Print --num-samples continuations of the prompt; with --fixed-z all share one Z draw."""
+def print_samples(args, model, sp, bos, device):
+    """Print --num-samples continuations of the prompt, which starts as a training document does
+    (`bos`: a downloaded model's BOS, if its family adds one); with --fixed-z all share one Z draw."""
     text = args.prompt or ("\nK>" if sp is None else "\n")
-    ids = data_lib.encode(sp, text)
+    ids = bos + data_lib.encode(sp, text)
     prompt = torch.tensor([ids] * args.num_samples, device=device)
     new = args.max_new_tokens or (data_lib.SYNTH_BODY if sp is None else 200)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -274,7 +276,7 @@ def print_samples(args, model, sp, device):
                           generator=gen).expand(args.num_samples, total)
     out, _ = model.generate(prompt, new, args.temperature, args.top_k, z=z, prompt_z=args.prompt_z, generator=gen)
     for row in out:
-        print(repr(data_lib.decode(sp, row.tolist())))
+        print(repr(data_lib.decode(sp, row.tolist()[len(bos):])))
 
 
 def demo_dirs(ckpt_arg):

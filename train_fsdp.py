@@ -346,7 +346,7 @@ def setup_distributed(cfg):
     """The process group, one per run, and this process's device."""
     rank, world, local_rank, local_world = launch_env()
     if cfg.train.debug:  # debugging.py: torch's and NCCL's debug logging, the flight recorder
-        import_optional("debugging", "--debug").debug_env(cfg.train.out_dir or "runs")
+        import_optional("debugging", "--debug").debug_env(cfg.train.out_dir or "runs", rank)
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise BadInput(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs "
@@ -361,8 +361,6 @@ def setup_distributed(cfg):
                                 store=dist.HashStore() if world == 1 else None,
                                 timeout=COLLECTIVE_TIMEOUT,
                                 device_id=device if backend == "nccl" and world > 1 else None)
-    if rank == 0 and backend == "gloo" and owner:
-        print("no CUDA device: running on CPU with the gloo backend")
     control = dist.group.WORLD
     if backend == "nccl":
         control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
@@ -952,8 +950,7 @@ def evaluate(model, data, cfg, topo, micro, loss_fn):
     sums = {}
     # Eager, even under --compile: eval() and no_grad fail the training graph's guards, and a second
     # compile at the first evaluation would cost more than all the run's evaluation forwards.
-    eager = cfg.train.compile
-    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+    with torch.compiler.set_stance("force_eager" if cfg.train.compile else "default"):
         for chunk in range(0, n, micro * topo.world):
             start = chunk + topo.rank * micro
             count = max(0, min(micro, n - start))
@@ -1725,13 +1722,13 @@ def load_states(path, meta, model, optimizer, scaler, topo, seed):
 def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
     """Resume from a checkpoint (under --resume auto a damaged one gives way to the next older,
     noted), or take the weights of --init-from, or neither. Returns (step, tokens seen)."""
+    t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
     if not resume:
         if cfg.checkpoint.init_from:
             init_weights_from(cfg.checkpoint.init_from, model)
-            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} "
-                         "(fresh optimizer, step 0)")
+            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} in "
+                         f"{time.perf_counter() - t0:.1f} s (fresh optimizer, step 0)")
         return 0, 0
-    t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
     while True:
         try:
             meta = load_checkpoint(resume, model, optimizer, scaler, cfg, topo)
@@ -1757,6 +1754,8 @@ def checkpoint_weights(path):
     """(kind, location) of the weights of a run dir, a step dir (or checkpoints/best or latest) or
     a model.pt, for --init-from. A checkpoint must pass the size check of a resume."""
     path = follow_marker(path)
+    if os.path.isdir(path) and any(n.endswith(".safetensors") for n in os.listdir(path)):
+        return "hf", path  # a downloaded model's directory (no checkpoint of ours has safetensors)
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     if os.path.isfile(os.path.join(folder, "meta.json")):
         try:
@@ -1787,7 +1786,9 @@ def check_init_from(path, shapes):
     """--init-from's checkpoint must hold every parameter of the model (`shapes`, by name) with its
     shape; mismatches are reported by name, before anything is written."""
     kind, src = checkpoint_weights(path)
-    if kind == "full":
+    if kind == "hf":
+        theirs = import_optional("hf_checkpoint", "--init-from").shapes(src, shapes)
+    elif kind == "full":
         theirs = {k: tuple(v.shape) for k, v in load_weights_only(src, mmap=True)["model"].items()}
     else:
         metadata = read_dcp_metadata(src).state_dict_metadata
@@ -1804,6 +1805,8 @@ def check_init_from(path, shapes):
 def init_weights_from(path, model):
     """Load only the model weights of a checkpoint (fresh optimizer, step 0)."""
     kind, where = checkpoint_weights(path)
+    if kind == "hf":  # each rank reads only the slices it holds
+        return import_optional("hf_checkpoint", "--init-from").load(where, model)
     if kind == "full":
         state = load_weights_only(where, mmap=True)
         opts = StateDictOptions(full_state_dict=True, strict=False)  # it may hold more keys
@@ -2281,9 +2284,6 @@ def start_log(cfg, topo, plan, model, about, n_val, notes, start_step):
              f"{plan.tokens_per_step:,} tokens/step | {plan.max_steps} steps")
     for note in notes + ([about["note"]] if about["note"] else []):
         log.line(note)
-    if t.debug:
-        log.line(f"distributed debug level {dist.get_debug_level().name}, "
-                 f"NCCL_DEBUG={os.environ.get('NCCL_DEBUG')}")
     if flight_recorder_dumps():
         log.line(f"flight recorder: the last {os.environ['TORCH_FR_BUFFER_SIZE']} collectives per "
                  f"rank, dumped on a collective timeout (NCCL) to {flight_recorder_dumps()}<rank>")
@@ -2373,8 +2373,7 @@ class Stopper:
         self.topo, self.log, self.reason = topo, log, 0
         # Not without torchrun: a `nohup python train_fsdp.py` outlives its shell on purpose.
         self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        stops = (signal.SIGTERM, signal.SIGUSR1)
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in stops}
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGUSR1)}
 
     def handle(self, signum, frame):
         self.reason = signum
@@ -2430,6 +2429,8 @@ def parse_with_seams(argv, build_model, compute_loss, load_dataset, model_config
     made = {"model": model_config or (NoSettings if build_model else None),
             "data": data_config or (NoSettings if load_dataset else None)}
     cfg = parse_config(argv, Config(**{name: make() for name, make in made.items() if make}))
+    if cfg.checkpoint.init_from and checkpoint_weights(cfg.checkpoint.init_from)[0] == "hf":
+        import_optional("hf_checkpoint", "--init-from").configure(cfg, this)  # its config.json
     check_config(cfg)
     return (cfg, build_model or this.build_model, compute_loss or this.compute_loss,
             load_dataset or this.load_dataset)
@@ -2581,7 +2582,7 @@ def check_config(cfg):
             import_optional(module, flag)
 
 
-COMPANIONS = ("trackers", "muon", "float8", "debugging", "ckpt_export")  # this project's files
+COMPANIONS = ("trackers", "muon", "float8", "debugging", "ckpt_export", "hf_checkpoint")
 
 
 def import_optional(module, flag):
@@ -2591,11 +2592,10 @@ def import_optional(module, flag):
         found = importlib.import_module(module)
     except ModuleNotFoundError as e:
         missing = (e.name or module).split(".")[0]
+        what = f"the {missing} package, which is not installed: pip install {missing}"
         if missing == module and module in COMPANIONS:
-            raise BadInput(f"{flag} needs {module}.py beside train_fsdp.py (copy it from this "
-                           "project)") from None
-        raise BadInput(f"{flag} needs the {missing} package, which is not installed: "
-                       f"pip install {missing}") from None
+            what = f"{module}.py beside train_fsdp.py (copy it from this project)"
+        raise BadInput(f"{flag} needs {what}") from None
     except ImportError as e:  # there, but it does not import: a broken or mismatched install
         raise BadInput(f"{flag}: importing {module} failed ({e})") from None
     where = os.path.abspath(getattr(found, "__file__", None) or module)  # None: a namespace package

@@ -31,7 +31,7 @@ FLAG = r"(?<![\w-])--[a-z][a-z0-9_-]*"
 SBATCH_FLAGS = {"--gpus-per-node", "--nodes", "--time", "--signal", "--requeue", "--cpus-per-task", "--batch",
                 "--wait", "--nnodes", "--ntasks", "--mem", "--wrap"}
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
-PIP_FLAGS = {"--index-url"}
+PIP_FLAGS = {"--index-url", "--local-dir"}  # and huggingface_hub's `hf download`
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--batch_size"}
 PYTEST_FLAGS = {"--dist", "--no-loadscope-reorder"}  # make test: pytest-xdist's
 with open(os.path.join(ROOT, "tools", "mutants.py")) as fh:  # make mutants' MUTANTS_ARGS
