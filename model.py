@@ -704,6 +704,14 @@ HF_BLOCK_NAMES = {
     "mlp.w3.weight": "mlp.up_proj.weight", "mlp.w2.weight": "mlp.down_proj.weight"}
 
 
+HF_SIZES = {"n_layer": "num_hidden_layers", "d_model": "hidden_size",
+            "n_head": "num_attention_heads", "ffn_hidden": "intermediate_size",
+            "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps"}
+HF_LLAMA3 = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+             "rope_high_freq_factor": "high_freq_factor",
+             "rope_original_context": "original_max_position_embeddings"}
+
+
 def hf_name(name):
     """The Hugging Face name of one of the baseline's parameters, or None (the Free Transformer's
     latent path has none)."""
@@ -736,18 +744,9 @@ def hf_fields(config, seq_len):
     refused = [what for bad, what in refusals if bad]
     if refused:
         raise ValueError(f"{arch} with {', '.join(refused)}: this decoder computes another model")
-    try:
-        heads, width = config["num_attention_heads"], config["hidden_size"]
-        head_dim = config.get("head_dim") or width // heads
-        fields = {"n_layer": config["num_hidden_layers"], "d_model": width, "n_head": heads,
-                  "ffn_hidden": config["intermediate_size"], "vocab_size": config["vocab_size"],
-                  "norm_eps": float(config["rms_norm_eps"])}
-    except KeyError as e:
-        raise ValueError(f"config.json of a {arch} has no {e.args[0]}") from None
-    keys = {"n_layer": "num_hidden_layers", "d_model": "hidden_size",
-            "n_head": "num_attention_heads", "ffn_hidden": "intermediate_size",
-            "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps"}
-    out = {name: (value, keys[name]) for name, value in fields.items()}
+    out = hf_copied(HF_SIZES, config, "", arch)
+    heads, width = out["n_head"][0], out["d_model"][0]
+    head_dim = config.get("head_dim") or width // heads
     theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
     out.update(
         arch=("baseline", "architectures"), hf_architecture=(arch, "architectures"),
@@ -760,11 +759,19 @@ def hf_fields(config, seq_len):
         sliding_window=(window or 0, "sliding_window"),
         rope_scaling=("llama3" if kind == "llama3" else "", "rope_scaling"))
     if kind == "llama3":
-        for name, key in (("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
-                          ("rope_high_freq_factor", "high_freq_factor"),
-                          ("rope_original_context", "original_max_position_embeddings")):
-            out[name] = (type(getattr(ModelConfig, name))(rope[key]), f"rope_scaling.{key}")
+        where = "rope_parameters." if config.get("rope_parameters") else "rope_scaling."
+        out.update(hf_copied(HF_LLAMA3, rope, where, arch))
     return out
+
+
+def hf_copied(table, source, where, arch):
+    """{field: (source's value as the field's type, its config.json key)} for `table`'s
+    {field: key}; a key that `source` (config.json, or its `where` part) lacks is ValueError."""
+    missing = [key for key in table.values() if key not in source]
+    if missing:
+        raise ValueError(f"config.json of a {arch} has no {where}{missing[0]}")
+    return {name: (type(getattr(ModelConfig, name))(source[key]), where + key)
+            for name, key in table.items()}
 
 
 def hf_config(cfg, max_positions, special_ids):
