@@ -13,6 +13,7 @@ import array
 import collections
 import concurrent.futures
 import dataclasses
+import datetime
 import errno
 import hashlib
 import io
@@ -72,6 +73,14 @@ class DataConfig:
     data_workers: int = opt(0, "processes that build the token cache; 0 = every core this process "
                             "may use")
     token_dtype: str = opt("uint16", "integer type of given .bin token files", ["uint16", "uint32"])
+    instruct: bool = opt(False, "rows are instruction examples, {\"prompt\", \"completion\"} or "
+                         "{\"messages\": [...]} in .jsonl or .parquet; only the answers are "
+                         "targets (docs/fine-tuning.md); needs --tokenizer")
+    document_mask: bool = opt(False, "each document attends only to itself, from RoPE position 0: "
+                              "--instruct packs several examples into a row only with it (else "
+                              "one example a row, padded); a corpus keeps its rows")
+    too_long: str = opt("truncate", "--instruct: an example longer than --seq-len + 1 tokens is "
+                        "truncated or dropped (counted in the summary line)", ["truncate", "drop"])
     synthetic_train_samples: int = opt(65536, "number of samples in the synthetic training set")
     synthetic_val_samples: int = opt(1024,
                                      "number of samples in the fixed synthetic validation set")
@@ -82,6 +91,11 @@ class DataConfig:
 
     def check(self):
         check_config(self)
+
+    @staticmethod
+    def saved_fields(table):
+        """A saved run's [data] table, the fields it predates set as it ran: off."""
+        return {"instruct": False, "document_mask": False, "too_long": "truncate", **table}
 
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
 TEXT_SEQ_LEN = 512
@@ -107,6 +121,9 @@ SYNTH_VAL_SEED = (12345, 54321)
 NEWLINE, PROMPT_END, NOISE, BLANK, LETTER_A = range(5)
 # third word of the seed of the text windows' per-epoch shifts (Dataset.epoch_shift)
 SHIFT_STREAM = 1
+# --instruct: the byte kept beside each token. TARGET: the loss predicts it; START: an example
+# begins there. y holds IGNORE (cross_entropy's ignore_index) where no target is.
+TARGET, START, IGNORE = 1, 2, -100
 
 
 def synthetic_rows(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -127,11 +144,17 @@ class Dataset:
     synthetic samples are independent, so their stride is the whole row."""
 
     def __init__(self, train, val, seq_len, stride, vocab_size, seed, tokenizer=(None, ""),
-                 shift_windows=False, digests=None):
+                 shift_windows=False, digests=None, marks=(None, None), document_mask=False,
+                 separators=(None, None)):
         # tokenizer: the SentencePiece processor and its .model path; (None, "") for the synthetic
         # alphabet. digests (text): {source: digest} (data_digests), which a resumed run must find
-        # unchanged; None when the config alone fixes the rows (synthetic, random).
+        # unchanged; None when the config alone fixes the rows (synthetic, random). marks
+        # (--instruct): a byte beside each train and val token, TARGET and START bits.
+        # document_mask: rows are (x, y, positions), positions restarting at each document, which
+        # an example's START marks, or in a corpus its BOS or the token after its separator.
         self.train_tokens, self.val_tokens, self.digests = train, val, digests
+        self.train_marks, self.val_marks = marks
+        self.document_mask, self.separators = document_mask, separators
         self.seq_len, self.stride, self.vocab_size, self.seed = seq_len, stride, vocab_size, seed
         self.sp, self.tokenizer_path = tokenizer
         self.n_train = (len(train) - seq_len - 1) // stride + 1
@@ -187,20 +210,35 @@ class Dataset:
             hit = epochs == epoch
             rows = self.epoch_permutation(int(epoch))[positions[hit]].astype(np.int64)
             offsets[hit] = rows * self.stride + self.epoch_shift(int(epoch))
-        return self.windows(self.train_tokens, offsets)
+        return self.windows(self.train_tokens, offsets, self.train_marks)
 
     def val_batch(self, start: int, count: int):
         """Fixed validation rows [start, start+count), clipped at n_val."""
         rows = np.arange(start, min(start + count, self.n_val), dtype=np.int64)
-        return self.windows(self.val_tokens, rows * self.stride)
+        return self.windows(self.val_tokens, rows * self.stride, self.val_marks)
 
-    def windows(self, tokens, offsets: np.ndarray):
-        """(x, y) of the seq_len + 1 tokens starting at each of `offsets`."""
+    def windows(self, tokens, offsets: np.ndarray, marks=None):
+        """(x, y) of the seq_len + 1 tokens starting at each of `offsets`, y IGNORE where a token
+        is not a target; and under document_mask the positions of x's tokens in their documents."""
         # Fancy indexing a memmap reads only the touched pages, never the whole file.
-        block = tokens[offsets[:, None] + np.arange(self.seq_len + 1)]
+        index = offsets[:, None] + np.arange(self.seq_len + 1)
+        block = tokens[index]
         x = np.ascontiguousarray(block[:, :-1], dtype=np.int64)
         y = np.ascontiguousarray(block[:, 1:], dtype=np.int64)
-        return torch.from_numpy(x), torch.from_numpy(y)
+        if marks is not None:
+            flags = marks[index]
+            y[(flags[:, 1:] & TARGET) == 0] = IGNORE
+        if not self.document_mask:
+            return torch.from_numpy(x), torch.from_numpy(y)
+        starts = (flags[:, :-1] & START) > 0 if marks is not None else self.stream_starts(x)
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions_in(starts))
+
+    def stream_starts(self, x: np.ndarray) -> np.ndarray:
+        """Where a corpus's documents start in rows x: at a BOS, or after a separator."""
+        bos, separator = self.separators
+        starts = x == bos if bos is not None else np.zeros(x.shape, bool)
+        starts[:, 1:] |= x[:, :-1] == separator
+        return starts
 
     def steps_per_epoch(self, global_batch: int) -> int:
         return -(-self.n_train // global_batch)
@@ -210,6 +248,14 @@ class Dataset:
 
     def decode(self, ids) -> str:
         return decode(self.sp, ids)
+
+
+def positions_in(starts: np.ndarray) -> np.ndarray:
+    """Each token's position in its document, given where documents start (a row's first token
+    starts one): RoPE positions and the model's document mask (model.document_layout)."""
+    t = np.arange(starts.shape[1])
+    last_start = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
+    return t - last_start
 
 
 def load_tokenizer(tokenizer_path: str):
@@ -270,6 +316,12 @@ class HFTokenizer:
 
     def vocab_size(self):
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def id_to_piece(self, i):
+        return self.tok.id_to_token(i)
+
+    def piece_to_id(self, piece):
+        return self.tok.token_to_id(piece)
 
     def eos_id(self):
         return -1 if self.eos is None else self.eos
@@ -350,6 +402,9 @@ def check_config(cfg: DataConfig) -> None:
                         "core")
     if cfg.seq_len < 0:
         raise DataError(f"--seq-len {cfg.seq_len}: must be at least 1, or 0 for the dataset's own")
+    if cfg.dataset in ("synthetic", "random") and (cfg.instruct or cfg.document_mask):
+        raise DataError(f"--{'instruct' if cfg.instruct else 'document-mask'}: --dataset "
+                        f"{cfg.dataset} has no examples or documents; give a corpus")
     if cfg.dataset == "synthetic":
         n = SYNTH_ROW - 1
         if cfg.seq_len not in (0, n):
@@ -418,9 +473,9 @@ class Part(typing.NamedTuple):
     size: int  # bytes of text, for the progress bar and the tokenizer's sample
 
 
-def parts_of(path: Path) -> list[Part]:
+def parts_of(path: Path, texts=True) -> list[Part]:
     if path.suffix == ".parquet":
-        meta = parquet_file(path).metadata
+        meta = parquet_file(path, texts).metadata
         return [Part(path, i, i + 1, meta.row_group(i).total_byte_size)
                 for i in range(meta.num_row_groups)]
     size, parts, lo = path.stat().st_size, [], 0
@@ -477,8 +532,9 @@ def line_number(part: Part, raw: bytes, i: int) -> int:
     return before + i + 1
 
 
-def parquet_file(path: Path):
-    """The Parquet file, checked: readable, with rows, and a string column "text"."""
+def parquet_file(path: Path, texts=True):
+    """The Parquet file, checked: readable, with rows, and a string column "text" (unless the rows
+    are --instruct examples, texts=False)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -489,11 +545,11 @@ def parquet_file(path: Path):
     except Exception as e:  # pyarrow's ArrowInvalid and OSError: a truncated or foreign file
         raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     names = pf.schema_arrow.names
-    if "text" not in names:
+    if texts and "text" not in names:
         raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must be '
                         'in "text"')
-    kind = pf.schema_arrow.field("text").type
-    if str(kind) not in ("string", "large_string", "string_view"):
+    kind = texts and str(pf.schema_arrow.field("text").type)
+    if texts and kind not in ("string", "large_string", "string_view"):
         raise DataError(f'{path}: column "text" holds {kind}, not strings')
     if pf.metadata.num_rows == 0:
         raise DataError(f"{path}: the shard is empty (no rows); remove it or write it again")
@@ -662,6 +718,8 @@ def cache_dir_for(cfg: DataConfig) -> Path:
            "val_path": absolute(cfg.val_path),
            "val_fraction": None if cfg.val_path else cfg.val_fraction,
            "tokenizer": absolute(cfg.tokenizer) or [cfg.tokenizer_type, cfg.tokenizer_vocab_size]}
+    if cfg.instruct:  # rows are packed when the cache is built
+        key["instruct"] = [cfg.seq_len or TEXT_SEQ_LEN, cfg.document_mask, cfg.too_long]
     if Path(cfg.dataset).suffix == ".bin" or (Path(cfg.dataset) / "train.bin").is_file():
         key["token_files"] = [cfg.token_dtype, cfg.tokenizer_vocab_size]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
@@ -690,6 +748,9 @@ def valid_manifest(out: Path, inputs: dict, hashes: dict | None = None):
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for f, lo, n in token_files(out, manifest).values():
         if not f.is_file() or f.stat().st_size < (lo + n) * itemsize:
+            return None
+        marks = f.with_suffix(".mask")
+        if "examples" in manifest and (not marks.is_file() or marks.stat().st_size < n):
             return None
     return (manifest if not manifest["tokenizer_path"] or Path(manifest["tokenizer_path"]).is_file()
             else None)
@@ -834,6 +895,286 @@ def held_out(cfg: DataConfig, n: int) -> int:
     return min(n, max(1, math.ceil(n * cfg.val_fraction)))
 
 
+# --- instruction examples (--instruct) ------------------------------------------------------------
+# An example is a prompt and its answer ({"prompt", "completion"}: the two texts joined, as TRL
+# joins them, then EOS) or a chat ({"messages"}: rendered by the tokenizer's chat template). Its
+# targets are the answer's tokens: the completion and its EOS, or each assistant turn with its
+# end-of-turn mark. Examples are packed in order into rows of --seq-len + 1 tokens, padded.
+
+ROLES = ("system", "user", "assistant", "tool")
+# For a tokenizer without a chat_template (one data.py trained, or a base model's).
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}"
+                  "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}Assistant: {% endif %}")
+
+_examples = None  # (tokenizer, BOS ids, template, its BOS and EOS texts, the model's own?)
+
+
+def chat_template(model: str):
+    """(template, variables, own?): the tokenizer's chat template (chat_template in the
+    tokenizer_config.json beside it, or chat_template.jinja) compiled as transformers compiles
+    it, or PLAIN_TEMPLATE (own False); the variables give BOS and EOS as text."""
+    try:
+        import jinja2
+        import jinja2.sandbox
+    except ImportError:
+        raise DataError("--instruct renders chats with jinja2, which is not installed: pip install "
+                        "jinja2") from None
+    config = read_json_beside(Path(model), "tokenizer_config.json")
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    jinja_file = Path(model).parent / "chat_template.jinja"
+    if source is None and jinja_file.is_file():
+        source = jinja_file.read_text()
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        template = env.from_string(source or PLAIN_TEMPLATE)
+    except jinja2.TemplateError as e:
+        raise DataError(f"{model}: its chat template is not valid Jinja ({e})") from None
+    tok = open_tokenizer(model, threads=1)
+    names = {"bos_token": tok.bos_id(), "eos_token": tok.eos_id()}
+    variables = {k: tok.id_to_piece(i) if i >= 0 else "" for k, i in names.items()}
+    return template, variables, bool(source)
+
+
+def start_examples_worker(model: str) -> None:
+    global _examples
+    tok = open_tokenizer(model, threads=1)
+    template, variables, own = chat_template(model)
+    if tok.eos_id() < 0:
+        raise DataError(f"{model}: the tokenizer names no end-of-sequence token to end answers "
+                        "with (eos_token in tokenizer_config.json)")
+    # A model's own template writes its BOS; the plain one and prompt/completion rows need ours.
+    bos = [tok.bos_id()] if tok.bos_id() >= 0 and document_marks(tok, model)[0] else []
+    _examples = tok, bos, template, variables, own
+
+
+def chat_prompt(model: str, messages) -> tuple[list[int], set[int]]:
+    """(ids, end-of-turn ids) of a chat to continue (sample.py --chat): rendered as examples are,
+    up to the assistant's turn; a turn ends at EOS, or an eos_token_id of generation_config.json."""
+    start_examples_worker(model)
+    tok, bos, template, variables, own = _examples
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise DataError(f"the chat {messages!r:.80} is not a list of {{\"role\", \"content\"}} "
+                        f"with roles among {', '.join(ROLES)}")
+    text = render(template, messages, True, variables, lambda: "the chat")
+    ends = read_json_beside(Path(model), "generation_config.json").get("eos_token_id", [])
+    return ([] if own else bos) + encode_rendered(tok, text, variables), {
+        tok.eos_id(), *(ends if isinstance(ends, list) else [ends])}
+
+
+def example_rows(part: Part):
+    """(where, row) for each example of a part; where() names its file and line, or Parquet row."""
+    if part.path.suffix == ".parquet":
+        pf = parquet_file(part.path, texts=False)
+        first = sum(pf.metadata.row_group(i).num_rows for i in range(part.lo))
+        names = [n for n in ("messages", "prompt", "completion") if n in pf.schema_arrow.names]
+        for i, row in enumerate(pf.read_row_group(part.lo, columns=names).to_pylist()):
+            yield (lambda i=i: f"{part.path} row {first + i}"), row
+        return
+    with open(part.path, "rb") as f:
+        f.seek(part.lo)
+        raw = f.read(part.hi - part.lo)
+    encoding = "utf-8-sig" if part.lo == 0 else "utf-8"
+    for i, line in enumerate(io.TextIOWrapper(io.BytesIO(raw), encoding, errors="replace")):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            yield (lambda i=i: f"{part.path} line {line_number(part, raw, i)}"), row
+
+
+def encode_examples(part: Part):
+    """(ids, marks, lengths) of a part's examples, one after another."""
+    ids, marks, lengths = array.array("i"), array.array("B"), []
+    for where, row in example_rows(part):
+        pieces = example_pieces(row, where)
+        n = 0
+        for piece_ids, target in pieces:
+            ids.extend(piece_ids)
+            marks.extend([TARGET if target else 0] * len(piece_ids))
+            n += len(piece_ids)
+        marks[len(marks) - n] = START  # never a target: the row's previous example does not see it
+        lengths.append(n)
+    return (np.frombuffer(ids, np.int32), np.frombuffer(marks, np.uint8),
+            np.array(lengths, np.int64))
+
+
+def example_pieces(row, where) -> list[tuple[list[int], bool]]:
+    """The example's ids in pieces, each a target or not."""
+    tok, bos, template, variables, own = _examples
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        pieces = [(encode_rendered(tok, text, variables), target)
+                  for text, target in chat_pieces(row["messages"], template, variables, where)]
+        return pieces if own else [(bos, False)] + pieces
+    if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+            and isinstance(row.get("completion"), str)):
+        raise DataError(f'{where()}: not an example; each row needs "prompt" and "completion" '
+                        'strings, or "messages", a list of {"role", "content"}')
+    if not row["completion"].strip():
+        raise DataError(f"{where()}: the completion is empty; every example needs an answer")
+    return [(bos + tok.encode(row["prompt"]), False),
+            (tok.encode(row["completion"]) + [tok.eos_id()], True)]
+
+
+def chat_pieces(messages, template, variables, where) -> list[tuple[str, bool]]:
+    """The rendered chat in pieces, each assistant turn a target: the text the template adds for
+    that turn after the generation prompt that precedes it."""
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str)
+                and m.get("role") in ROLES):
+            role = m.get("role") if isinstance(m, dict) else None
+            raise DataError(f"{where()}: message {m!r:.60} is not a {{\"role\", \"content\"}} with "
+                            f"a known role (role {role!r}; valid: {', '.join(ROLES)})")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise DataError(f"{where()}: an assistant message is empty; every answer needs text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where()}: no assistant message, so nothing to learn from the row")
+    pieces, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = render(template, messages[:i], True, variables, where)
+        full = render(template, messages[:i + 1], False, variables, where)
+        if not (head.startswith(done) and full.startswith(head)):
+            raise DataError(f"{where()}: the chat template renders a conversation's start "
+                            "differently inside a longer one, so the answers cannot be marked")
+        pieces += [(head[len(done):], False), (full[len(head):], True)]
+        done = full
+    return pieces
+
+
+def render(template, messages, generation_prompt, variables, where) -> str:
+    try:
+        return template.render(messages=messages, add_generation_prompt=generation_prompt,
+                               **variables)
+    except Exception as e:  # jinja2's errors, and the template's own raise_exception
+        raise DataError(f"{where()}: the chat template failed on this row: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def encode_rendered(tok, text: str, variables: dict) -> list[int]:
+    """Ids of rendered text whose special tokens are written out: a tokenizer.json reads them as
+    their ids; for SentencePiece, the BOS and EOS texts are cut out and put back as ids."""
+    specials = {v: tok.piece_to_id(v) for v in variables.values() if v}
+    if isinstance(tok, HFTokenizer) or not specials or not text:
+        return tok.encode(text) if text else []
+    ids = []
+    for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+        ids += [specials[piece]] if piece in specials else tok.encode(piece) if piece else []
+    return ids
+
+
+def write_examples(cfg, model: Path, parts: list[Part], dest: Path, workers: int, counts,
+                   bar) -> int:
+    """Pack the parts' examples, in order, into rows of --seq-len + 1 tokens (several a row under
+    --document-mask, else one), padded; ids into dest, marks into dest.mask. Returns the rows."""
+    width = (cfg.seq_len or TEXT_SEQ_LEN) + 1
+    dtype = token_dtype(open_tokenizer(model).vocab_size())
+    row, row_marks = np.zeros(width, dtype), np.zeros(width, np.uint8)
+    fill, rows, targets = 0, 0, {}  # tokens in the row so far, rows written, targets by file
+    encoded = in_order(encode_examples, parts, workers, start_examples_worker, (str(model),))
+    with open(dest, "wb") as f, open(dest.with_suffix(".mask"), "wb") as fm:
+        def flush():
+            nonlocal fill, rows
+            row[fill:], row_marks[fill:] = 0, 0
+            row_marks[fill:fill + 1] = START  # padding: a document of its own
+            row.tofile(f)
+            row_marks.tofile(fm)
+            fill, rows = 0, rows + 1
+        for part, (ids, marks, lengths) in zip(parts, encoded):
+            targets.setdefault(part.path, 0)
+            for lo, n in zip(np.cumsum(lengths) - lengths, lengths):
+                if n > width:
+                    counts["too long"] += 1
+                    if cfg.too_long == "drop":
+                        continue
+                    n = width
+                wanted = int((marks[lo + 1:lo + n] & TARGET).sum())
+                if not wanted:  # its answer was cut off
+                    counts["without a target"] += 1
+                    continue
+                if fill + n > width or (fill and not cfg.document_mask):
+                    flush()
+                row[fill:fill + n], row_marks[fill:fill + n] = ids[lo:lo + n], marks[lo:lo + n]
+                fill += n
+                counts["examples"] += 1
+                counts["targets"] += wanted
+                targets[part.path] += wanted
+            bar.update(part.size)
+        if fill:
+            flush()
+    for path, n in targets.items():
+        if not n:
+            raise DataError(f"{path}: no example keeps a target token within --seq-len "
+                            f"{width - 1} (the answers come later); raise --seq-len, or remove "
+                            "the file")
+    counts["tokens"] += rows * width
+    return rows
+
+
+def check_examples_input(cfg, paths: list[Path], model) -> None:
+    """What --instruct needs before any tokenising: rows (.jsonl, .parquet), a tokenizer, jinja2."""
+    if model is None:
+        raise DataError("--instruct: give --tokenizer, the tokenizer of the model being "
+                        "fine-tuned (--init-from a model directory sets it)")
+    if bad := [p for p in paths if p.suffix not in (".jsonl", ".parquet")]:
+        raise DataError(f"--instruct: {bad[0]} is not a .jsonl or .parquet file of examples")
+    chat_template(str(model))
+
+
+def build_examples(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
+    """train.bin, train.mask, val.bin, val.mask and manifest.json of --instruct examples, as
+    build_cache does for a corpus; --val-fraction holds out the last rows. Returns the manifest."""
+    parts, workers, model = sources["parts"], data_workers(cfg), sources["model"]
+    tok, counts = open_tokenizer(model), collections.Counter()
+    print(f"data: packing the examples of {len(sources['train']) + len(sources['val'])} files "
+          f"into {out} with {workers} processes")
+    with progress(parts["train"] + parts["val"], "tokenising") as bar:
+        n_train = write_examples(cfg, model, parts["train"], tmp / "train.bin", workers, counts,
+                                 bar)
+        if parts["val"]:
+            n_val = write_examples(cfg, model, parts["val"], tmp / "val.bin", workers, counts,
+                                   bar)
+    width, dtype = (cfg.seq_len or TEXT_SEQ_LEN) + 1, token_dtype(tok.vocab_size())
+    if not parts["val"]:
+        n_val = min(n_train, math.ceil(n_train * cfg.val_fraction))
+        for suffix, kind in ((".bin", dtype), (".mask", np.uint8)):
+            split_tail(tmp / f"train{suffix}", tmp / f"val{suffix}", kind, n_train * width,
+                       n_val * width)
+        n_train -= n_val
+    manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": {},
+                "tokenizer_path": str(model), "vocab_size": tok.vocab_size(),
+                "dtype": np.dtype(dtype).name, "train_tokens": n_train * width,
+                "val_tokens": n_val * width, "val_fraction": None if parts["val"] else
+                cfg.val_fraction, "examples": dict(counts, rows=n_train + n_val),
+                "digests": data_digests(sources["train"], sources["val"], identity["sha256"], tok,
+                                        workers)}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def examples_summary(cfg: DataConfig, manifest: dict) -> str:
+    c = collections.Counter(manifest["examples"])
+    kept = "dropped" if cfg.too_long == "drop" else "truncated"
+    layout = "packed, document-masked" if cfg.document_mask else "one a row, padded"
+    return (f"data: {c['examples']:,} examples in {c['rows']:,} rows of "
+            f"{cfg.seq_len or TEXT_SEQ_LEN} tokens ({layout}); "
+            f"{c['too long']:,} longer than a row {kept}, {c['without a target']:,} left without "
+            f"a target dropped; {c['targets']:,} of {c['tokens']:,} tokens are targets "
+            f"({c['targets'] / max(1, c['tokens']):.1%})")
+
+
 def check_lengths(cfg: DataConfig, manifest: dict, val_given: bool) -> None:
     """Both splits must hold at least one row of --seq-len + 1 tokens."""
     seq_len = cfg.seq_len or TEXT_SEQ_LEN
@@ -907,17 +1248,22 @@ def build_if_stale(cfg: DataConfig) -> None:
     hashes = content_hashes(train_paths + val_paths + ([model] if model else []))
     if manifest := valid_manifest(out, inputs, hashes):
         check_lengths(cfg, manifest, bool(val_paths))
+        if cfg.instruct:
+            print(examples_summary(cfg, manifest))
         return
     sources = {"train": train_paths, "val": val_paths, "model": model}
+    if cfg.instruct:
+        check_examples_input(cfg, train_paths + val_paths, model)
     if train_paths[0].suffix == ".bin":
         build = check_token_files
     else:
-        build = build_cache
-        sources["parts"] = {split: [part for p in sources[split] for part in parts_of(p)]
+        build = build_examples if cfg.instruct else build_cache
+        sources["parts"] = {split: [part for p in sources[split]
+                                    for part in parts_of(p, texts=not cfg.instruct)]
                             for split in ("train", "val")}
         for flag, value, split in (("--dataset", cfg.dataset, "train"),
                                    ("--val-path", cfg.val_path, "val")):
-            if sources[split] and not has_text(sources["parts"][split]):
+            if not cfg.instruct and sources[split] and not has_text(sources["parts"][split]):
                 raise DataError(f"{flag} {value}: the corpus is empty (no text); give files with "
                                 "text in them")
     created = missing_dirs(out.parent)
@@ -929,6 +1275,8 @@ def build_if_stale(cfg: DataConfig) -> None:
         manifest = build(cfg, sources, {"inputs": inputs, "sha256": hashes}, tmp, out)
         check_lengths(cfg, manifest, bool(val_paths))
         publish(tmp, out)
+        if cfg.instruct:
+            print(examples_summary(cfg, manifest))
     except BaseException as e:  # bad input found mid-build, a full disk, Ctrl-C: leave nothing
         free = None if isinstance(e, (DataError, KeyboardInterrupt)) else free_if_full(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1081,8 +1429,29 @@ def open_dataset(cfg: DataConfig, seed: int) -> Dataset:
                   for f, lo, n in token_files(out, manifest).values())
     path = manifest["tokenizer_path"]
     sp = open_tokenizer(path) if path else None
+    if cfg.instruct:
+        marks = (np.memmap(f.with_suffix(".mask"), dtype=np.uint8, mode="r", offset=lo, shape=(n,))
+                 for f, lo, n in token_files(out, manifest).values())
+        return Dataset(train, val, seq_len, seq_len + 1, manifest["vocab_size"], seed, (sp, path),
+                       digests=manifest["digests"], marks=tuple(marks),
+                       document_mask=cfg.document_mask)
     return Dataset(train, val, seq_len, seq_len, manifest["vocab_size"], seed, (sp, path),
-                   shift_windows=True, digests=manifest["digests"])
+                   shift_windows=True, digests=manifest["digests"],
+                   document_mask=cfg.document_mask, separators=separators(cfg, sp, path))
+
+
+def separators(cfg: DataConfig, sp, path: str):
+    """(BOS or None, separator) ids of a corpus's documents, for --document-mask."""
+    if not cfg.document_mask:
+        return None, None
+    if sp is None:
+        raise DataError(f"--document-mask: the token files of --dataset {cfg.dataset} come "
+                        "without a tokenizer to say where documents start; give --tokenizer")
+    bos, separator = document_marks(sp, path)
+    if len(separator) != 1:
+        raise DataError(f"--document-mask: the tokenizer {path} separates documents by "
+                        f"{len(separator)} tokens, not one end-of-sequence token")
+    return (bos or [None])[0], separator[0]
 
 
 def main(argv=None) -> int:
@@ -1094,9 +1463,10 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="", help="TOML file whose [data] table sets these "
                         "flags, as the trainer's --config (the command line wins)")
     for f in dataclasses.fields(DataConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=argparse.SUPPRESS, choices=f.metadata["choices"],
-                            help=f.metadata["help"])
+        kind = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else
+                {"type": type(f.default), "choices": f.metadata["choices"]})
+        parser.add_argument("--" + f.name.replace("_", "-"), default=argparse.SUPPRESS,
+                            help=f.metadata["help"], **kind)
     args = vars(parser.parse_args(argv))
     try:
         values = config_data_table(args.pop("config"))

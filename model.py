@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
+import torch.nn.attention.flex_attention as flex
 import torch.nn.functional as F
 
 # Known shapes, so that runs compare with published ones: 1b is Llama-3.2-1B's, 8b Llama-3-8B's,
@@ -259,9 +260,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def forward(self, q_in, kv_in, cos, sin, causal, cache=None):
-        """cache (generation only): a dict holding this layer's keys and values so far; a
-        prompt fills it, then each call adds one position."""
+    def forward(self, q_in, kv_in, cos, sin, mask, cache=None):
+        """mask: True (causal), False (every position), or the pairs that may attend (documents
+        packed in a row): a boolean (B, 1, T, T) tensor, or a FlexAttention BlockMask. cache
+        (generation only): a dict holding this layer's keys and values so far; a prompt fills it,
+        then each call adds one position."""
         B, T, _ = kv_in.shape
         # q_in is (B, T, D), or one (1, 1, D) row shared by every position (the encoder's
         # constant ζ): then it is projected once and broadcast, not T times.
@@ -276,13 +279,17 @@ class Attention(nn.Module):
                 if T != 1:
                     raise ValueError("a filled KV cache takes one new position at a time")
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-                causal = False  # the one new query may see every cached key
+                mask = False  # the one new query may see every cached key
             cache["k"], cache["v"] = k, v
         # SDPA picks the flash / memory-efficient kernel on GPU; enable_gqa shares each key/value
         # head among n_head / n_kv_head query heads without copying them.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                           enable_gqa=self.n_kv_head != self.n_head,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        gqa = self.n_kv_head != self.n_head
+        if isinstance(mask, flex.BlockMask):
+            y = flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if isinstance(mask, bool)
+                                               else mask, is_causal=mask is True, enable_gqa=gqa,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -311,8 +318,9 @@ class DecoderBlock(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.inject = cfg.latent_inject
 
-    def forward(self, x, cos, sin, kv_extra=None, cache=None):
-        """Returns x, or (x, rms(R) / rms(what R is added to)) when kv_extra is given."""
+    def forward(self, x, cos, sin, kv_extra=None, cache=None, mask=True):
+        """Returns x, or (x, rms(R) / rms(what R is added to)) when kv_extra is given. mask: the
+        attention's (causal unless documents are packed)."""
         h = self.attn_norm(x)
         if kv_extra is None:
             kv = h
@@ -321,7 +329,7 @@ class DecoderBlock(nn.Module):
             ratio = (kv_extra.float().pow(2).mean().sqrt()
                      / base.float().pow(2).mean().sqrt()).detach()
             kv = base + kv_extra if self.inject == "post_norm" else self.attn_norm(x + kv_extra)
-        x = x + self.drop(self.attn(h, kv, cos, sin, causal=True, cache=cache))
+        x = x + self.drop(self.attn(h, kv, cos, sin, mask, cache=cache))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
         return x if kv_extra is None else (x, ratio)
 
@@ -342,9 +350,10 @@ class EncoderBlock(nn.Module):
         self.out_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.readout = nn.Linear(cfg.d_model, cfg.latent_bits, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=False):
+        """mask: False (the whole row), or the pairs within one document (B, 1, T, T)."""
         zeta = self.zeta.to(x.dtype).view(1, 1, -1)  # the same query input at every position
-        h = zeta + self.attn(self.q_norm(zeta), self.kv_norm(x), cos, sin, causal=False)
+        h = zeta + self.attn(self.q_norm(zeta), self.kv_norm(x), cos, sin, mask)
         h = h + self.mlp(self.mlp_norm(h))
         return self.readout(self.out_norm(h))
 
@@ -478,14 +487,22 @@ class Transformer(nn.Module):
     def rope(self, seq_len, device, offset=0):
         return rope_cos_sin(seq_len, self.cfg, device, offset)
 
-    def forward(self, idx, mode="training", z=None, cache=None):
+    def forward(self, idx, mode="training", z=None, cache=None, positions=None):
         """Returns (logits, latent); latent is always None for the baseline. `cache` is a list of
-        per-block dicts for generation (see generate)."""
-        cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
+        per-block dicts for generation (see generate). `positions` (B, T): each token's position in
+        its document, 0 where one starts, for rows that pack several (see document_layout)."""
+        cos, sin, masks = self.layout(idx, cache, positions)
         x = self.drop(self.tok_emb(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache=None if cache is None else cache[i])
+            x = block(x, cos, sin, cache=None if cache is None else cache[i], mask=masks[0])
         return self.lm_head(self.norm(x)), None
+
+    def layout(self, idx, cache=None, positions=None):
+        """RoPE tables and the (decoder, encoder) attention masks of a forward."""
+        cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
+        if positions is None:
+            return cos, sin, (True, False)
+        return document_layout(cos, sin, positions, self.cfg.dropout if self.training else 0.0)
 
     def latent_codes(self, prompt_ids, total, z, prompt_z, generator):
         return None  # the baseline has no latent
@@ -496,10 +513,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, z=None,
-                 prompt_z="prior", generator=None):
+                 prompt_z="prior", generator=None, stop=()):
         """Sample max_new_tokens after prompt_ids (B, T0) with a KV cache; call model.eval() first.
         Returns (tokens, codes or None); a seeded `generator` makes the samples reproducible.
-        For the Free Transformer's Z, see latent_codes."""
+        For the Free Transformer's Z, see latent_codes. Ends early once every row has generated
+        one of the `stop` ids (a chat's end of turn)."""
         T0 = prompt_ids.shape[1]
         codes = self.latent_codes(prompt_ids, T0 + max_new_tokens, z, prompt_z, generator)
         cache = [dict() for _ in self.blocks]
@@ -508,10 +526,46 @@ class Transformer(nn.Module):
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
             out = torch.cat([out, nxt], dim=1)
+            if stop and torch.isin(out[:, T0:], torch.tensor(list(stop), device=out.device)).any(
+                    dim=1).all():
+                break
             if i + 1 < max_new_tokens:
                 pos = slice(T0 + i, T0 + i + 1)
                 logits, _ = self(nxt, z=None if codes is None else codes[:, pos], cache=cache)
         return out, codes
+
+
+def document_layout(cos, sin, positions, dropout=0.0):
+    """Rows that pack documents: each token's RoPE angles are those of its position in its own
+    document, and a token attends only within its document (causally in the decoder). On a GPU
+    the masks are FlexAttention block masks, which skip the blocks between documents (without
+    dropout, which it lacks); elsewhere dense booleans, (B, 1, T, T), for SDPA."""
+    docs = torch.cumsum(positions == 0, dim=1)
+    if positions.is_cuda and dropout == 0:
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), document_block_masks(docs)
+    same = (docs[:, :, None] == docs[:, None, :]).unsqueeze(1)
+    causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), (same & causal, same)
+
+
+@torch.compiler.disable  # made once a forward and shared by the blocks, compiled on its own
+def document_block_masks(docs):
+    """(decoder, encoder) FlexAttention block masks of the documents `docs` (B, T) numbers."""
+    B, T = docs.shape
+
+    def decoder(b, h, q, k):
+        return (q >= k) & (docs[b, q] == docs[b, k])
+
+    def encoder(b, h, q, k):
+        return docs[b, q] == docs[b, k]
+    return tuple(flex.create_block_mask(m, B, None, T, T, device=docs.device, _compile=True)
+                 for m in (decoder, encoder))
+
+
+@functools.cache
+def flex_attention():
+    """FlexAttention compiled (eager, it is a slow reference); made on first use."""
+    return torch.compile(flex.flex_attention)
 
 
 def cached_length(cache):
@@ -539,7 +593,7 @@ class LatentSampler(nn.Module):
         self.post_sampler = nn.Parameter(torch.empty(2 ** cfg.latent_bits, cfg.d_model))
         self.n_bits, self.chunk = cfg.latent_bits, cfg.mapper_chunk
 
-    def forward(self, x, cos, sin, mode="training", z=None):
+    def forward(self, x, cos, sin, mode="training", z=None, mask=False):
         """Returns (R, z_logits). mode="training": Z from the encoder (posterior); "inference":
         Z drawn uniformly from the 2^H codes (prior), z_logits None. An explicit z (code
         indices, shape (B, T)) overrides both."""
@@ -552,7 +606,7 @@ class LatentSampler(nn.Module):
             return F.embedding(codes, self.post_sampler).to(x.dtype), None
         if mode != "training":
             raise ValueError(f"mode {mode!r}: valid values are training, inference")
-        z_logits = self.encoder(x, cos, sin)
+        z_logits = self.encoder(x, cos, sin, mask)
         codes = sample_codes(z_logits)
         r = _BinaryMapperST.apply(z_logits, codes, self.post_sampler, self.chunk)
         return r.to(x.dtype), z_logits
@@ -568,17 +622,17 @@ class FreeTransformer(Transformer):
         self.latent = LatentSampler(cfg)
         self.latent.apply(self.init_module)
 
-    def forward(self, idx, mode="training", z=None, cache=None):
-        cos, sin = self.rope(idx.shape[1], idx.device, offset=cached_length(cache))
+    def forward(self, idx, mode="training", z=None, cache=None, positions=None):
+        cos, sin, (mask, encoder_mask) = self.layout(idx, cache, positions)
         x = self.drop(self.tok_emb(idx))
         half = self.cfg.n_layer // 2
         caches = [None] * len(self.blocks) if cache is None else cache
         for block, c in zip(self.blocks[:half], caches):
-            x = block(x, cos, sin, cache=c)
-        r, z_logits = self.latent(x, cos, sin, mode=mode, z=z)
-        x, r_ratio = self.blocks[half](x, cos, sin, kv_extra=r, cache=caches[half])
+            x = block(x, cos, sin, cache=c, mask=mask)
+        r, z_logits = self.latent(x, cos, sin, mode=mode, z=z, mask=encoder_mask)
+        x, r_ratio = self.blocks[half](x, cos, sin, kv_extra=r, cache=caches[half], mask=mask)
         for block, c in zip(self.blocks[half + 1:], caches[half + 1:]):
-            x = block(x, cos, sin, cache=c)
+            x = block(x, cos, sin, cache=c, mask=mask)
         latent = None if z_logits is None else {"z_logits": z_logits, "r_rms_ratio": r_ratio}
         return self.lm_head(self.norm(x)), latent
 
@@ -648,11 +702,11 @@ def compiled_lm_loss():
     return torch.compile(lm_loss)
 
 
-def comparable_losses(model, x, y, parts):
+def comparable_losses(model, x, y, parts, positions=None):
     """The Free Transformer's figures that compare with a baseline's CE, which its own CE does not:
     Z from the encoder has seen the row. nll_bound = CE + KL bounds -log p(x) per token (Z_t uniform
     under the prior); prior_ce: the CE with Z from the prior, as in generation (one more pass)."""
-    prior_logits, _ = model(x, mode="inference")
+    prior_logits, _ = model(x, mode="inference", positions=positions)
     prior_ce, _ = lm_loss(prior_logits, y)  # no latent: the CE alone
     bound = parts["ce"] + parts["kl"]
     return bound, {"nll_bound": bound, "prior_ce": prior_ce}

@@ -220,6 +220,9 @@ def build_arg_parser():
     p.add_argument("--prompt-z", default="prior", choices=["encoder", "prior"],
                    help="Free Transformer: the prompt's Z from the uniform prior (as for generated tokens) or the "
                    "encoder run on the prompt alone (it was trained on whole rows)")
+    p.add_argument("--chat", action="store_true", help="--prompt is a user's message, or a JSON list of "
+                   "{\"role\", \"content\"} messages: rendered with the run's chat template (as --instruct "
+                   "renders them); each sample is the reply, up to its end of turn")
     p.add_argument("--fixed-z", action="store_true", help="Free Transformer: one Z draw shared by all samples")
     p.add_argument("--demo", action="store_true", help="synthetic task: fixed-Z vs fresh-Z block statistics")
     p.add_argument("--figure", action="store_true", help="with --demo: also save demo_block_starts.png, the "
@@ -247,9 +250,12 @@ def main(argv=None):
                  "no text: train with --tokenizer MODEL (the SentencePiece model that wrote them) to sample")
     except (FileNotFoundError, data_lib.DataError) as e:
         fail(e)
+    if args.chat and sp is None:
+        fail("--chat renders a chat with the run's tokenizer; this run has none (synthetic data)")
     try:
-        data_lib.encode(sp, args.prompt)  # the synthetic vocabulary has 30 characters
-    except data_lib.DataError as e:
+        ids, stop = chat_ids(args.prompt, ckpt["tokenizer"]) if args.chat else (
+            bos + data_lib.encode(sp, args.prompt or ("\nK>" if sp is None else "\n")), ())
+    except data_lib.DataError as e:  # the synthetic vocabulary has 30 characters; a bad chat
         fail(f"--prompt {args.prompt!r}: {e}")
     unknown = unknown_characters(sp, args.prompt)
     if unknown:
@@ -257,15 +263,25 @@ def main(argv=None):
               file=sys.stderr)
     if args.demo:
         return demo(args, model, ckpt, device)
-    print_samples(args, model, sp, bos, device)
+    print_samples(args, model, sp, ids, len(ids) if args.chat else len(bos), device, stop)
     return None
 
 
-def print_samples(args, model, sp, bos, device):
-    """Print --num-samples continuations of the prompt, which starts as a training document does
-    (`bos`: a downloaded model's BOS, if its family adds one); with --fixed-z all share one Z draw."""
-    text = args.prompt or ("\nK>" if sp is None else "\n")
-    ids = bos + data_lib.encode(sp, text)
+def chat_ids(prompt, tokenizer):
+    """(ids, end-of-turn ids) of --chat's prompt: a JSON list of messages, or one user message."""
+    try:
+        messages = json.loads(prompt)
+    except json.JSONDecodeError:
+        messages = None
+    if not isinstance(messages, list):
+        messages = [{"role": "user", "content": prompt}]
+    return data_lib.chat_prompt(tokenizer, messages)
+
+
+def print_samples(args, model, sp, ids, skip, device, stop=()):
+    """Print --num-samples continuations of the prompt's ids, which start as a training document
+    does (a downloaded model's BOS, if its family adds one), from id `skip` on; with --fixed-z all
+    share one Z draw. A chat's samples are its replies, each cut at its first `stop` id."""
     prompt = torch.tensor([ids] * args.num_samples, device=device)
     new = args.max_new_tokens or (data_lib.SYNTH_BODY if sp is None else 200)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -274,9 +290,13 @@ def print_samples(args, model, sp, bos, device):
         total = len(ids) + new
         z = torch.randint(0, 2 ** model.cfg.latent_bits, (1, total), device=device,
                           generator=gen).expand(args.num_samples, total)
-    out, _ = model.generate(prompt, new, args.temperature, args.top_k, z=z, prompt_z=args.prompt_z, generator=gen)
-    for row in out:
-        print(repr(data_lib.decode(sp, row.tolist()[len(bos):])))
+    out, _ = model.generate(prompt, new, args.temperature, args.top_k, z=z, prompt_z=args.prompt_z, generator=gen,
+                            stop=stop)
+    for row in out.tolist():
+        row = row[skip:]
+        if stop:
+            row = row[:min([row.index(t) for t in stop if t in row], default=len(row))]
+        print(repr(data_lib.decode(sp, row)))
 
 
 def demo_dirs(ckpt_arg):

@@ -231,6 +231,8 @@ ONE_UNIT_BELOW = 100_000_000
 USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # before this process sets it
 # A collective that waits longer fails. rank0_does keeps the others waiting for longer work.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+IGNORE = -100  # y where a token is not a target (an instruction's prompt): cross_entropy ignores it
+
 
 class BadInput(Exception):
     """A mistake in what the user asked for: reported in one line, exit code 2."""
@@ -261,15 +263,15 @@ def build_model(cfg):
     return model, {model_lib.DecoderBlock, model_lib.LatentSampler}, {model_lib.DecoderBlock}
 
 
-def compute_loss(model, x, y, cfg):
-    """Returns (loss, dict of detached scalars to log). In evaluation (model.eval()) the loss is
-    the figure runs are compared by: the CE, or the Free Transformer's bound CE + KL."""
+def compute_loss(model, x, y, cfg, positions=None):
+    """(loss, detached scalars to log), means over y's targets; positions: of rows that pack
+    documents. In evaluation, loss is what runs compare: CE, or the Free Transformer's CE + KL."""
     model_lib = project_module("model")
-    logits, latent = model(x)
+    logits, latent = model(x, positions=positions)
     lm_loss = model_lib.compiled_lm_loss() if cfg.train.compile else model_lib.lm_loss
     loss, parts = lm_loss(logits, y, latent, cfg.model.kappa)
     if latent is not None and not model.training:
-        loss, comparable = model_lib.comparable_losses(model, x, y, parts)
+        loss, comparable = model_lib.comparable_losses(model, x, y, parts, positions)
         parts.update(comparable)
     return loss, parts
 
@@ -278,14 +280,14 @@ class BatchSource(typing.Protocol):
     """What the trainer reads from the dataset load_dataset returns (data.Dataset is one). Rows
     are addressed, not iterated: a step's rows are the same at any world size and after a resume."""
 
-    seq_len: int  # tokens per row: x and y are (rows, seq_len) int64 tensors, y is x shifted by one
+    seq_len: int  # tokens per row: x, y are (rows, seq_len) int64, y x shifted by one or IGNORE
     vocab_size: int  # token ids are below it (a model config's resolve(data) may read it)
     n_val: int  # validation rows
     tokenizer_path: str  # saved with every checkpoint, for sampling; "" when there is none
     # Optional: digests, {source: digest} of what the rows are made of; a resume refuses changes.
 
     def train_batch(self, step: int, global_batch: int, start: int, count: int):
-        """(x, y): rows [start, start + count) of training step `step`'s global batch."""
+        """(x, y[, positions for compute_loss]): rows [start, start + count) of step `step`."""
 
     def val_batch(self, start: int, count: int):
         """(x, y): the fixed validation rows [start, start + count)."""
@@ -361,9 +363,8 @@ def setup_distributed(cfg):
                                 store=dist.HashStore() if world == 1 else None,
                                 timeout=COLLECTIVE_TIMEOUT,
                                 device_id=device if backend == "nccl" and world > 1 else None)
-    control = dist.group.WORLD
-    if backend == "nccl":
-        control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    control = (dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl"
+               else dist.group.WORLD)
     return Topology(rank=rank, world=world, local_world=local_world, device=device,
                     backend=backend, owner=owner, control=control)
 
@@ -610,8 +611,7 @@ STRATEGIES["fsdp2"] = Strategy(
     wrap=wrap_fsdp2, resolve=resolve_fsdp2, no_sync=fsdp2_no_sync,
     # torch's clip and amp's scaler see every shard: the gradients are DTensors
     clip=clip_norm, scaler=torch.amp.GradScaler, shards=True, compiles_units=True,
-    # With --cpu-offload its gradients stay on the host, where clipping all-reduces their norm:
-    # on GPUs the group then needs gloo for CPU tensors too, as torchtitan's does.
+    # --cpu-offload: clipping all-reduces the norm of host gradients (gloo too, as torchtitan's)
     host_grads=True)
 
 
@@ -640,8 +640,7 @@ def wrap_whole(model, policy, blocks, cfg, topo, init_fn, ddp=False):
 
 
 def accumulate_with_no_sync(cfg, topo):
-    """--grad-accum-mode auto: no_sync, one reduction a step. It costs no memory here: DDP's
-    gradient is the whole model's anyway, accumulated in fp32 like the weights."""
+    """auto: no_sync, free here: DDP's gradient is the whole model's anyway, fp32 as the weights."""
     if cfg.train.grad_accum_mode == "auto":
         cfg.train.grad_accum_mode = "no_sync"
 
@@ -789,8 +788,7 @@ def hybrid_shard_size(cfg, topo):
 
 
 def hand_replication_to_ddp(cfg, topo):
-    """HYBRID_SHARD* with one process per shard group is replication, DDP's job (FSDP1 would
-    skip the all-reduce across replicas): the run takes --strategy ddp, said."""
+    """1-process HYBRID_SHARD* shard groups go to DDP: FSDP1 would skip the replicas' all-reduce."""
     f = cfg.fsdp
     replicas = "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1
     if strategy_of(cfg).shards and replicas and topo.world > 1:
@@ -900,27 +898,30 @@ def micro_batches(data, step, cfg, plan, topo):
     batches = []
     for m in range(plan.accum):
         start = (m * topo.world + topo.rank) * plan.micro
-        x, y = data.train_batch(step, cfg.train.global_batch, start, plan.micro)
-        batches.append((x.to(topo.device, non_blocking=True), y.to(topo.device, non_blocking=True)))
+        rows = data.train_batch(step, cfg.train.global_batch, start, plan.micro)
+        batches.append([t.to(topo.device, non_blocking=True) for t in rows])
     return batches, time.perf_counter() - t0
 
 
 def train_step(model, optimizer, scaler, batches, cfg, loss_fn, strategy):
-    """One optimizer step; each micro-batch's loss is divided by their number, so the summed
-    gradient is the global batch's mean loss's. Returns (mean losses, global norm, skipped?)."""
-    totals, accum = {}, len(batches)
-    for m, (x, y) in enumerate(batches):
+    """One optimizer step: the mean over all its targets (a micro-batch's mean counts by its share
+    of the targets of every rank). Returns (mean losses, global norm, skipped?)."""
+    totals, targets = {}, torch.stack([(y != IGNORE).sum() for _, y, *_ in batches]).float()
+    of_step = targets.sum()
+    dist.all_reduce(of_step)
+    for m, (x, y, *positions) in enumerate(batches):
+        share = of_step / (targets[m] * dist.get_world_size())  # without IGNORE, the accumulation
         new_graph_step(cfg)
         # Gradients are reduced after the last micro-batch, or after each under --grad-accum-mode
         # sync; no_sync must cover the forward too.
-        reduce = m == accum - 1 or cfg.train.grad_accum_mode == "sync"
+        reduce = m == len(batches) - 1 or cfg.train.grad_accum_mode == "sync"
         with contextlib.nullcontext() if reduce else strategy.no_sync(model):
             with precision_context(cfg, x.device):
-                loss, parts = loss_fn(model, x, y, cfg)
-            scaled = loss / accum
+                loss, parts = loss_fn(model, x, y, cfg, *positions)
+            scaled = loss / share
             (scaler.scale(scaled) if scaler else scaled).backward()
         for k, v in {"loss": loss.detach(), **parts}.items():
-            totals[k] = totals.get(k, 0.0) + v.float() / accum
+            totals[k] = totals.get(k, 0.0) + v.float() / share
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = strategy.clip(model, cfg.train.grad_clip or math.inf)  # --grad-clip 0: no limit
@@ -943,25 +944,29 @@ def new_graph_step(cfg):
 
 @torch.no_grad()
 def evaluate(model, data, cfg, topo, micro, loss_fn):
-    """Mean loss over the fixed validation rows, world-size independent. Every rank runs as many
-    forwards (FSDP's are collectives): one with no rows left runs a dummy row weighted 0."""
+    """Mean loss over the fixed validation rows' targets, world-size independent. Every rank runs
+    as many forwards (FSDP's are collectives): one with no rows left runs a dummy row weighted 0."""
     n = min(cfg.train.eval_samples, data.n_val)
     model.eval()
-    sums = {}
+    sums = {"targets": 0}
     # Eager, even under --compile: eval() and no_grad fail the training graph's guards, and a second
     # compile at the first evaluation would cost more than all the run's evaluation forwards.
     with torch.compiler.set_stance("force_eager" if cfg.train.compile else "default"):
         for chunk in range(0, n, micro * topo.world):
             start = chunk + topo.rank * micro
             count = max(0, min(micro, n - start))
-            x, y = data.val_batch(start if count else 0, count or 1)
+            x, y, *positions = [t.to(topo.device) for t in data.val_batch(start if count else 0,
+                                                                           count or 1)]
             new_graph_step(cfg)
             with precision_context(cfg, topo.device):
-                loss, parts = loss_fn(model, x.to(topo.device), y.to(topo.device), cfg)
+                loss, parts = loss_fn(model, x, y, cfg, *positions)
+            targets = (y != IGNORE).sum().float() if count else 0
             for k, v in {"loss": loss, **parts}.items():
-                sums[k] = sums.get(k, 0.0) + v.float() * count
+                sums[k] = sums.get(k, 0.0) + v.float() * targets
+            sums["targets"] += targets
     model.train()
-    return all_reduce_scalars({k: v / n for k, v in sums.items()}, topo.device)
+    sums = all_reduce_scalars(sums, topo.device)
+    return {k: v / sums["targets"] for k, v in sums.items() if k != "targets"}
 
 
 def all_reduce_scalars(values, device, op=dist.ReduceOp.SUM):
@@ -1305,7 +1310,6 @@ class Checkpointer:
         self.cfg, self.c, self.topo, self.log = cfg, cfg.checkpoint, topo, log
         self.data, self.scaler = data, scaler
         self.pending = None  # the background save under way: (path, meta, DCP's future, staged at)
-        # Sharded: each rank its shards; FSDP1's are copies made on the GPU: to the host as made.
         copies = strategy_of(cfg).copies_shards and cfg.fsdp.sharding_strategy != "NO_SHARD"
         gpus = topo.world > 1 and topo.device.type == "cuda"
         self.sharded = StateDictOptions(cpu_offload=copies and gpus)
@@ -1390,8 +1394,7 @@ class Checkpointer:
                       f"it was staged{waited}")
 
     def stop_if_failed(self, error, path, meta):
-        """When any rank failed to write (`error`: this rank's), every rank raises, rank 0 having
-        deleted the staging directory: the previous checkpoint is untouched."""
+        """Any rank failed to write (`error`: this rank's): all raise, the staging dir deleted."""
         error = any_rank_error(error, self.topo)
         if error:
             if self.topo.rank == 0:
@@ -1783,8 +1786,7 @@ def check_init_from_shapes(cfg, model, topo):
 
 
 def check_init_from(path, shapes):
-    """--init-from's checkpoint must hold every parameter of the model (`shapes`, by name) with its
-    shape; mismatches are reported by name, before anything is written."""
+    """BadInput unless --init-from's checkpoint holds each parameter of `shapes` ({name: shape})."""
     kind, src = checkpoint_weights(path)
     if kind == "hf":
         theirs = import_optional("hf_checkpoint", "--init-from").shapes(src, shapes)
@@ -2154,8 +2156,7 @@ class Meter:
             self.start += seconds[0]
 
     def record(self, step, totals, lr, grad_norm, tokens_seen):
-        """The log record of `step`: the losses averaged over ranks, throughput, memory (the most of
-        any rank). Collectives: every rank, every log step."""
+        """`step`'s record: losses, throughput, memory (max over ranks); collectives, every rank."""
         world, device = self.topo.world, self.topo.device
         losses = all_reduce_scalars({k: v / world for k, v in totals.items()}, device)
         if device.type == "cuda":
@@ -2310,8 +2311,7 @@ FSDP2_IGNORED = {"backward_prefetch", "limit_all_gathers", "use_orig_params", "s
 
 
 def describe_strategy(cfg, one=False):
-    """(headline, notes) of the start-up summary: the strategy and its dtypes, and settings that
-    have no effect under it. one: the model is one FSDP unit, the root."""
+    """Start-up (headline, notes): strategy, dtypes, settings it ignores; one: one FSDP unit."""
     t, f, default = cfg.train, cfg.fsdp, FSDPConfig()
     off = {"fsdp": set(), "fsdp2": FSDP2_IGNORED}.get(t.strategy, FSDP_ONLY)
     ignored = [f"{flag_name(k)} {v}" for k, v in dataclasses.asdict(f).items()
@@ -2413,8 +2413,7 @@ class Stopper:
 
 
 def parse_with_seams(argv, build_model, compute_loss, load_dataset, model_config, data_config):
-    """(cfg, build_model, compute_loss, load_dataset): the seams given, else this project's, and
-    the config of their settings, parsed and checked before anything is set up."""
+    """The config and seams (given, else this project's), parsed and checked before any setup."""
     if bool(build_model) != bool(compute_loss) or (model_config and not build_model):
         raise BadInput("pass build_model, compute_loss (and model_config, if any) together: this "
                        "project's read what its own model returns and its settings")

@@ -288,13 +288,14 @@ def test_no_sync_reduces_gradients_once_per_step(two, four):
     sync mode one set per micro-batch (2 here), under FSDP1, FSDP2 (set_requires_gradient_sync),
     their hybrid sharding and DDP."""
     cases = [  # (accumulation run in no_sync mode, in sync mode, run without accumulation, ops, processes,
-        # all-reduces of the gradient norm among the all_reduce calls: FSDP1's clip_grad_norm_ issues one)
-        ("accum_no_sync", "accum_sync", "FULL_SHARD-module", ["reduce_scatter_single"], two, 2, 0),
-        ("hybrid_accum_no_sync", "hybrid_accum_sync", "hybrid", ["reduce_scatter_single", "all_reduce"], four, 4, 1),
-        ("ddp_ac", "ddp_accum_sync", "ddp", ["ddp_bucket_all_reduce"], two, 2, 0),
-        ("fsdp2_accum_no_sync", "fsdp2_accum_sync", "fsdp2-FULL_SHARD", ["reduce_scatter_single"], two, 2, 0),
+        # all_reduce calls a step that reduce no gradient: train_step's count of the step's targets, and the
+        # gradient norm's, which FSDP1's clip_grad_norm_ issues)
+        ("accum_no_sync", "accum_sync", "FULL_SHARD-module", ["reduce_scatter_single"], two, 2, 1),
+        ("hybrid_accum_no_sync", "hybrid_accum_sync", "hybrid", ["reduce_scatter_single", "all_reduce"], four, 4, 2),
+        ("ddp_ac", "ddp_accum_sync", "ddp", ["ddp_bucket_all_reduce"], two, 2, 1),
+        ("fsdp2_accum_no_sync", "fsdp2_accum_sync", "fsdp2-FULL_SHARD", ["reduce_scatter_single"], two, 2, 1),
         ("fsdp2_hybrid_accum_no_sync", "fsdp2_hybrid_accum_sync", "fsdp2_hybrid", ["reduce_scatter_single",
-                                                                                   "all_reduce"], four, 4, 0),
+                                                                                   "all_reduce"], four, 4, 1),
     ]
     for no_sync, sync, plain, ops, runs, nproc, norm_reduces in cases:
         for rank in range(nproc):

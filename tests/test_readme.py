@@ -37,7 +37,7 @@ PYTEST_FLAGS = {"--dist", "--no-loadscope-reorder"}  # make test: pytest-xdist's
 with open(os.path.join(ROOT, "tools", "mutants.py")) as fh:  # make mutants' MUTANTS_ARGS
     MUTANTS_FLAGS = set(re.findall(r'add_argument\("(--[a-z-]+)"', fh.read()))
 SAMPLE_FLAGS = {"--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--seed",
-                "--prompt-z", "--fixed-z", "--demo", "--figure", "--device"}
+                "--prompt-z", "--fixed-z", "--demo", "--figure", "--device", "--chat"}
 TENSORBOARD_FLAGS = {"--logdir", "--port"}
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,7 +36,8 @@ def test_lr_warmup_then_cosine_to_min():
 def test_grad_clip_scales_the_gradients_to_the_limit():
     """--grad-clip: the norm train_step returns (and logs) is the one before clipping; the optimizer then steps
     with gradients of the limit's norm, or untouched at 0. The equivalence tests compare runs clipped alike: only
-    this sees a limit ignored."""
+    this sees a limit ignored. One process group: train_step counts the step's targets over all ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for limit, after in ((1.0, 1.0), (0.0, 10.0)):
         model = torch.nn.Linear(4, 4, bias=False)
         seen = {}
@@ -54,6 +56,7 @@ def test_grad_clip_scales_the_gradients_to_the_limit():
         _, norm, _ = train_fsdp.train_step(model, Reader(), None, batch, cfg, loss_fn, train_fsdp.STRATEGIES["none"])
         assert norm.item() == pytest.approx(10.0)
         assert seen["grad"].norm().item() == pytest.approx(after, rel=1e-5)
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
