@@ -3,7 +3,10 @@
 # Llama-3.2-1B shape on one GPU: random bf16 weights in the Hugging Face layout (tied embeddings, vocab
 # 128256), the same synthetic instruction JSONL and byte-level BPE tokenizer for both, rows of SEQ packed,
 # bf16, compiled, activation checkpointing, fused AdamW lr 2e-5, prompt tokens out of the loss.
-# Run from the repository root on the GPU machine, with OUT set (offline; the wheels are in .whl/):
+# Run from the repository root on the GPU machine, with OUT set. Offline, the wheels come in .whl/, fetched
+# beforehand with: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 -d .whl torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0 omegaconf==2.3.0
+# (and antlr4-python3-runtime==4.9.3, which PyPI has only as source: `pip wheel --no-deps -w .whl` it).
 #   OUT=results bash tools/torchtune_sft_gpu.sh            # SIDES="torchtune ours" by default
 #   BATCH=16 STEPS=30 SIDES=torchtune bash tools/torchtune_sft_gpu.sh
 # Shared by both sides: MODEL_DIR (weights, config.json, tokenizer.json, tokenizer_config.json),
