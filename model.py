@@ -285,7 +285,7 @@ class Attention(nn.Module):
         # head among n_head / n_kv_head query heads without copying them.
         gqa = self.n_kv_head != self.n_head
         if isinstance(mask, flex.BlockMask):
-            y = flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+            y = _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if isinstance(mask, bool)
                                                else mask, is_causal=mask is True, enable_gqa=gqa,
@@ -548,9 +548,14 @@ def document_layout(cos, sin, positions, dropout=0.0):
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), (same & causal, same)
 
 
+_flex_attention = None  # compiled (eager, it is a slow reference) with the first block masks
+
+
 @torch.compiler.disable  # made once a forward and shared by the blocks, compiled on its own
 def document_block_masks(docs):
     """(decoder, encoder) FlexAttention block masks of the documents `docs` (B, T) numbers."""
+    global _flex_attention
+    _flex_attention = _flex_attention or torch.compile(flex.flex_attention)
     B, T = docs.shape
 
     def decoder(b, h, q, k):
@@ -560,12 +565,6 @@ def document_block_masks(docs):
         return docs[b, q] == docs[b, k]
     return tuple(flex.create_block_mask(m, B, None, T, T, device=docs.device, _compile=True)
                  for m in (decoder, encoder))
-
-
-@functools.cache
-def flex_attention():
-    """FlexAttention compiled (eager, it is a slow reference); made on first use."""
-    return torch.compile(flex.flex_attention)
 
 
 def cached_length(cache):

@@ -84,9 +84,8 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 # =============================================================================================
-# Configuration: one tree of dataclasses. Every field is a command-line flag (--field-name), a key
-# of its section's TOML table and may be set by a preset. Precedence: command line > config file >
-# preset > default. docs/configuration.md explains each setting at length.
+# Configuration (docs/configuration.md): dataclasses whose fields are flags (--field-name), keys of
+# their section's TOML table and preset entries; command line > config file > preset > default.
 
 
 def opt(default, help, choices=None, valid=""):
@@ -114,6 +113,8 @@ class FSDPConfig:
     activation_checkpointing: bool = opt(False, "recompute blocks in backward (non-reentrant)")
     ac_every: int = opt(1, "checkpoint every k-th block (1 = all)", valid=">= 1")
     param_dtype: str = opt("bf16", "dtype parameters compute in", ["bf16", "fp16", "fp32"])
+    weights_dtype: str = opt("fp32", "dtype of the weights, gradients and AdamW state (bf16: half "
+                             "their memory, updates rounded)", ["fp32", "bf16"])
     reduce_dtype: str = opt("fp32", "dtype of gradient reduction", ["bf16", "fp16", "fp32"])
     buffer_dtype: str = opt("fp32", "dtype of buffers", ["bf16", "fp16", "fp32"])
     autocast: bool = opt(False, "fsdp, fsdp2: also run forward, loss under autocast(param_dtype)")
@@ -617,7 +618,7 @@ STRATEGIES["fsdp2"] = Strategy(
 
 # =============================================================================================
 # --strategy ddp and none: every process holds the whole model (DDP all-reduces the gradients;
-# none is one process). torch.autocast casts, and the weights stay fp32.
+# none is one process). torch.autocast casts; the weights stay in --weights-dtype.
 
 
 def wrap_whole(model, policy, blocks, cfg, topo, init_fn, ddp=False):
@@ -661,6 +662,7 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     """The model wrapped by its strategy, with activation checkpointing and compile in its order.
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
+    model.to(DTYPES[cfg.fsdp.weights_dtype])  # and so their gradients and AdamW's state
     # float8 swaps in new Linear layers: before the units are chosen, which must be the new ones
     float8 = import_optional("float8", "--float8") if cfg.fsdp.float8 else None  # float8.py
     if float8 and not float8.to_float8(blocks, cfg.fsdp.float8):
@@ -2190,9 +2192,8 @@ class StartClock:
 
 
 def keep_compile_cache(cfg):
-    """--compile keeps its graphs and kernels beside the run directory, not in /tmp: the next run, a
-    resume and a requeue find them. Made and written before the run directory: a bad path is one
-    line, not a traceback at the first compile (a torch, card or model change just misses)."""
+    """--compile keeps graphs and kernels beside the run directory, not in /tmp, for the next run,
+    a resume and a requeue. Checked first: a bad path is one line, not a traceback."""
     if cfg.train.compile:
         beside = os.path.join(os.path.dirname(os.path.abspath(cfg.train.out_dir)), ".compile_cache")
         cache = os.path.abspath(cfg.train.compile_cache or USER_COMPILE_CACHE or beside)
