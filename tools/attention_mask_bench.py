@@ -8,14 +8,21 @@ or by repeating the key/value heads), FlexAttention (compiled, with a block mask
 forward, as model.document_block_masks does: timed apart), and SDPA causal without document
 masking (flash: the floor, not a candidate). Documents are drawn with lengths uniform in
 [1, 2 * doc-mean]. Prints one line per candidate: ms per layer, its ratio to causal, and the
-largest difference of its output from the dense mask's; then the ms of one block mask.
+largest difference of its output from the dense mask's; then the ms of one block mask. Last, the
+model's own check: a small Free Transformer in fp32 on packed rows, its logits and gradients on
+the GPU (FlexAttention, eager and compiled) against the CPU's (the dense mask).
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as model_lib  # noqa: E402
 
 
 def packed_positions(batch, seq, mean, gen):
@@ -91,6 +98,31 @@ def main():
         print(f"{name:40s} {ms:7.2f} ms fwd+bwd  x{ms / floor:4.2f}  peak {peak:5.2f} GiB  "
               f"max |out - dense| {diff:.3g}")
     print(f"{'making the block mask (once a forward)':40s} {timed(make_mask):7.2f} ms")
+    model_check(packed_positions(2, 512, 100, gen))
+
+
+def model_check(positions):
+    """model.py's document masking on the GPU (FlexAttention) against the CPU (dense SDPA mask)."""
+    cfg = model_lib.resolve_model_config(model_lib.ModelConfig(arch="free", vocab_size=256,
+                                                               n_kv_head=2, latent_bits=4))
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, positions.shape)
+    z = torch.randint(0, 16, positions.shape)
+    results = {}
+    for device, compiled in (("cpu", False), ("cuda", False), ("cuda", True)):
+        torch.manual_seed(0)
+        m = model_lib.build_model(cfg).to(device)
+        run = torch.compile(m) if compiled else m
+        logits, _ = run(x.to(device), z=z.to(device), positions=positions.to(device))
+        logits.float().square().mean().backward()
+        grads = torch.cat([p.grad.flatten().cpu() for p in m.parameters() if p.grad is not None])
+        results[(device, compiled)] = logits.detach().cpu(), grads
+    ref_logits, ref_grads = results[("cpu", False)]
+    for (device, compiled), (logits, grads) in results.items():
+        if device == "cuda":
+            print(f"model, fp32, {'compiled' if compiled else 'eager'} FlexAttention against the CPU's "
+                  f"dense mask: logits max diff {(logits - ref_logits).abs().max():.2e}, gradients "
+                  f"max diff {(grads - ref_grads).abs().max():.2e} (largest {ref_grads.abs().max():.2e})")
 
 
 if __name__ == "__main__":

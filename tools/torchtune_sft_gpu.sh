@@ -7,7 +7,8 @@
 # beforehand with: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux_2_28_x86_64 -d .whl torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0 omegaconf==2.3.0
 # (and antlr4-python3-runtime==4.9.3, which PyPI has only as source: `pip wheel --no-deps -w .whl` it).
-#   OUT=results bash tools/torchtune_sft_gpu.sh            # SIDES="torchtune ours" by default
+#   OUT=results bash tools/torchtune_sft_gpu.sh            # SIDES="torchtune ours attention" by default
+#   OURS=none_packed_bf16,none_padded OUT=results bash tools/torchtune_sft_gpu.sh   # ours: OUR_FLAGS's names
 #   BATCH=16 STEPS=30 SIDES=torchtune bash tools/torchtune_sft_gpu.sh
 # Shared by both sides: MODEL_DIR (weights, config.json, tokenizer.json, tokenizer_config.json),
 # DATA_JSONL ({"prompt", "completion"} lines), SEQ, BATCH (rows of SEQ per step), STEPS, WARMUP (steps left
@@ -23,6 +24,7 @@ export DATA_JSONL=${DATA_JSONL:-$WORK/data/sft.jsonl}
 export SEQ=${SEQ:-2048} BATCH=${BATCH:-8} STEPS=${STEPS:-40} WARMUP=${WARMUP:-5}
 ROWS=${ROWS:-4000}              # about 2.7 rows fill a pack of 2048; 4000 rows make about 1,450 packs
 SIDES=${SIDES:-"torchtune ours attention"}
+SIDES=${SIDES//,/ }              # names separated by spaces or commas, here and in OURS
 TINY=${TINY:-0}                 # 1: a 2-layer, width-64 model (vocab 128256) for a dry run
 TT_EXTRA=${TT_EXTRA:-}          # more recipe overrides, e.g. "device=cpu compile=False" for a CPU dry run
 TINY_FLAG=; TINY_OVERRIDES=
@@ -107,10 +109,19 @@ print(f"ours {sys.argv[2]}: steps={len(steps)} median step_time_s={dt:.4f} posit
       f"peak_reserved_gib={max(r['mem_reserved_gib'] for r in steps):.2f}")
 PY
 }
+declare -A OUR_FLAGS=(
+  [fsdp2_packed]="--strategy fsdp2 --document-mask"
+  [none_packed]="--strategy none --document-mask"
+  [none_padded]="--strategy none"
+  [none_packed_bf16]="--strategy none --document-mask --weights-dtype bf16"  # all in bf16, as torchtune
+  [fsdp2_packed_bf16]="--strategy fsdp2 --document-mask --weights-dtype bf16"
+)
+OURS=${OURS:-"none_packed_bf16 none_packed fsdp2_packed_bf16 none_padded"}
+OURS=${OURS//,/ }
 if [[ " $SIDES " == *" ours "* ]]; then
-  ours fsdp2_packed --strategy fsdp2 --document-mask
-  ours none_packed --strategy none --document-mask
-  ours none_padded --strategy none
+  for name in $OURS; do
+    ours "$name" ${OUR_FLAGS[$name]}
+  done
   stamp "ours done"
 fi
 if [[ " $SIDES " == *" attention "* ]]; then
