@@ -348,3 +348,37 @@ def test_an_exported_run_fine_tuned_starts_where_it_ended(tmp_path):
     assert json.loads((second / "config.json").read_text())["data"]["tokenizer"] == str(tmp_path / "hf" / "tokenizer.json")
     ended, started = val_losses(tmp_path / "first")[-1], val_losses(second)[-1]
     assert abs(started - ended) <= 1e-5 * ended, (started, ended)
+
+
+def test_instruct_fine_tuning_of_a_downloaded_model_starts_at_transformers_loss_on_the_answers(families, tmp_path):
+    """--instruct from a Llama directory whose tokenizer_config.json has a chat template: after one
+    step at a rate too small to move a weight (fsdp2, --meta-init, 2 ranks), the validation loss is
+    transformers' cross-entropy over the answers of the same rows (labels -100 elsewhere)."""
+    source, hf = families[0]["llama"]
+    directory = tmp_path / "llama"
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                               "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": english(4, seed=i), "completion": " " + english(3, seed=500 + i)} if i % 2 else
+            {"messages": [{"role": "user", "content": english(3, seed=i)},
+                          {"role": "assistant", "content": english(2, seed=900 + i)}]} for i in range(120)]
+    examples = tmp_path / "sft.jsonl"
+    examples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    res = launch([*TEXT, "--dataset", examples, "--instruct", "--val-fraction", "0.2", "--cache-dir", tmp_path / "cache",
+                  "--init-from", directory, "--max-steps", "1", "--lr", "1e-30", "--warmup-steps", "0",
+                  "--strategy", "fsdp2", "--meta-init", "--auto-wrap", "module", "--out-dir", run], 2)
+    assert all(r.returncode == 0 for r in res), res[0].stderr[-3000:]
+    assert "examples in" in res[0].stdout and "tokens are targets" in res[0].stdout
+    cfg = data.DataConfig(dataset=str(examples), tokenizer=str(directory / "tokenizer.json"), seq_len=64,
+                          instruct=True, val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+    ds = data.open_dataset(cfg, 1337)
+    x, y = ds.val_batch(0, 16)
+    assert (y == data.IGNORE).any() and (y != data.IGNORE).any()
+    with torch.no_grad():
+        logits = hf(x).logits
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=data.IGNORE)
+    assert abs(val_losses(run)[-1] - reference.item()) <= 1e-5 * reference.item()
