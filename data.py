@@ -673,7 +673,19 @@ def resolve_inputs(cfg: DataConfig):
                             "on the corpus") from None
     inputs = {"train": [fingerprint(p) for p in train], "val": [fingerprint(p) for p in val],
               "tokenizer": fingerprint(model) if model else None}
+    if cfg.instruct and model:
+        inputs["chat template"] = chat_digest(model)
     return train, val, model, inputs
+
+
+def chat_digest(model: Path) -> str:
+    """sha256 of what renders --instruct examples besides the tokenizer: the template and special
+    tokens of the tokenizer_config.json (and chat_template.jinja) beside it."""
+    h = hashlib.sha256()
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        path = model.parent / name
+        h.update(path.read_bytes() if path.is_file() else b"-")
+    return h.hexdigest()
 
 
 def file_sha256(path: Path) -> str:
@@ -920,12 +932,11 @@ def chat_template(model: str):
     except ImportError:
         raise DataError("--instruct renders chats with jinja2, which is not installed: pip install "
                         "jinja2") from None
-    config = read_json_beside(Path(model), "tokenizer_config.json")
-    source = config.get("chat_template")
+    source = read_json_beside(Path(model), "tokenizer_config.json").get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     jinja_file = Path(model).parent / "chat_template.jinja"
-    if source is None and jinja_file.is_file():
+    if jinja_file.is_file():  # transformers' newer layout, which wins over the JSON's
         source = jinja_file.read_text()
 
     def raise_exception(message):
@@ -968,7 +979,7 @@ def chat_prompt(model: str, messages) -> tuple[list[int], set[int]]:
                         f"with roles among {', '.join(ROLES)}")
     text = render(template, messages, True, variables, lambda: "the chat")
     ends = read_json_beside(Path(model), "generation_config.json").get("eos_token_id", [])
-    return ([] if own else bos) + encode_rendered(tok, text, variables), {
+    return ([] if own else bos) + encode_marked(tok, [(text, False)], variables)[0], {
         tok.eos_id(), *(ends if isinstance(ends, list) else [ends])}
 
 
@@ -998,33 +1009,48 @@ def encode_examples(part: Part):
     """(ids, marks, lengths) of a part's examples, one after another."""
     ids, marks, lengths = array.array("i"), array.array("B"), []
     for where, row in example_rows(part):
-        pieces = example_pieces(row, where)
-        n = 0
-        for piece_ids, target in pieces:
-            ids.extend(piece_ids)
-            marks.extend([TARGET if target else 0] * len(piece_ids))
-            n += len(piece_ids)
-        marks[len(marks) - n] = START  # never a target: the row's previous example does not see it
-        lengths.append(n)
+        example, targets = example_ids(row, where)
+        ids.extend(example)
+        marks.extend([TARGET if t else 0 for t in targets])
+        marks[len(marks) - len(example)] = START  # never a target: the example before never sees it
+        lengths.append(len(example))
     return (np.frombuffer(ids, np.int32), np.frombuffer(marks, np.uint8),
             np.array(lengths, np.int64))
 
 
-def example_pieces(row, where) -> list[tuple[list[int], bool]]:
-    """The example's ids in pieces, each a target or not."""
+def example_ids(row, where) -> tuple[list[int], list[bool]]:
+    """The example's ids and whether each is a target. Its text is encoded whole, as transformers
+    encodes a rendered chat and TRL a prompt with its completion (encoding the pieces apart would
+    start each with its own SentencePiece "▁"); a token overlapping the answer is a target."""
     tok, bos, template, variables, own = _examples
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        pieces = [(encode_rendered(tok, text, variables), target)
-                  for text, target in chat_pieces(row["messages"], template, variables, where)]
-        return pieces if own else [(bos, False)] + pieces
+        ids, targets = encode_marked(tok, chat_pieces(row["messages"], template, variables, where),
+                                     variables)
+        return ([] if own else bos) + ids, [False] * len(bos if not own else []) + targets
     if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
             and isinstance(row.get("completion"), str)):
         raise DataError(f'{where()}: not an example; each row needs "prompt" and "completion" '
                         'strings, or "messages", a list of {"role", "content"}')
     if not row["completion"].strip():
         raise DataError(f"{where()}: the completion is empty; every example needs an answer")
-    return [(bos + tok.encode(row["prompt"]), False),
-            (tok.encode(row["completion"]) + [tok.eos_id()], True)]
+    ids, targets = encode_marked(tok, [(row["prompt"], False), (row["completion"], True)], {})
+    return bos + ids + [tok.eos_id()], [False] * len(bos) + targets + [True]
+
+
+def encode_marked(tok, pieces, variables) -> tuple[list[int], list[bool]]:
+    """The ids of the pieces' text encoded as one, and which belong to target pieces: a piece's
+    tokens start where the text before it, encoded alone, stops agreeing with the whole (so a
+    token that straddles a prompt's end and an answer's start is the answer's)."""
+    text = "".join(t for t, _ in pieces)
+    ids, targets, at, start = encode_text(tok, text, variables), [], 0, 0
+    for piece, target in pieces:
+        at += len(piece)
+        before = encode_text(tok, text[:at], variables) if at < len(text) else ids
+        end = next((k for k, (a, b) in enumerate(zip(ids, before)) if a != b),
+                   min(len(ids), len(before)))
+        targets += [target] * (end - start)
+        start = end
+    return ids, targets + [False] * (len(ids) - start)
 
 
 def chat_pieces(messages, template, variables, where) -> list[tuple[str, bool]]:
@@ -1063,15 +1089,15 @@ def render(template, messages, generation_prompt, variables, where) -> str:
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
-def encode_rendered(tok, text: str, variables: dict) -> list[int]:
+def encode_text(tok, text: str, variables: dict) -> list[int]:
     """Ids of rendered text whose special tokens are written out: a tokenizer.json reads them as
     their ids; for SentencePiece, the BOS and EOS texts are cut out and put back as ids."""
     specials = {v: tok.piece_to_id(v) for v in variables.values() if v}
     if isinstance(tok, HFTokenizer) or not specials or not text:
         return tok.encode(text) if text else []
     ids = []
-    for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
-        ids += [specials[piece]] if piece in specials else tok.encode(piece) if piece else []
+    for chunk in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+        ids += [specials[chunk]] if chunk in specials else tok.encode(chunk) if chunk else []
     return ids
 
 
@@ -1153,13 +1179,14 @@ def build_examples(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> 
             split_tail(tmp / f"train{suffix}", tmp / f"val{suffix}", kind, n_train * width,
                        n_val * width)
         n_train -= n_val
+    digests = data_digests(sources["train"], sources["val"], identity["sha256"], tok, workers)
+    digests["chat template"] = identity["inputs"]["chat template"]  # a resume refuses a new one
     manifest = {"format": FORMAT_VERSION, **identity, "tokenizer": {},
                 "tokenizer_path": str(model), "vocab_size": tok.vocab_size(),
                 "dtype": np.dtype(dtype).name, "train_tokens": n_train * width,
                 "val_tokens": n_val * width, "val_fraction": None if parts["val"] else
                 cfg.val_fraction, "examples": dict(counts, rows=n_train + n_val),
-                "digests": data_digests(sources["train"], sources["val"], identity["sha256"], tok,
-                                        workers)}
+                "digests": digests}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 

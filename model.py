@@ -537,11 +537,12 @@ class Transformer(nn.Module):
 
 def document_layout(cos, sin, positions, dropout=0.0):
     """Rows that pack documents: each token's RoPE angles are those of its position in its own
-    document, and a token attends only within its document (causally in the decoder). On a GPU
-    the masks are FlexAttention block masks, which skip the blocks between documents (without
-    dropout, which it lacks); elsewhere dense booleans, (B, 1, T, T), for SDPA."""
+    document, and a token attends only within its document (causally in the decoder). In training
+    on a GPU the masks are FlexAttention block masks, which skip the blocks between documents
+    (without dropout, which it lacks; evaluation runs eager, where FlexAttention is unfused);
+    elsewhere dense booleans, (B, 1, T, T), for SDPA."""
     docs = torch.cumsum(positions == 0, dim=1)
-    if positions.is_cuda and dropout == 0:
+    if positions.is_cuda and dropout == 0 and torch.is_grad_enabled():
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), document_block_masks(docs)
     same = (docs[:, :, None] == docs[:, None, :]).unsqueeze(1)
     causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()

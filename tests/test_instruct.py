@@ -353,29 +353,65 @@ def test_a_models_chat_template_renders_as_transformers_does(tmp_path):
          "tokenizer_class": "PreTrainedTokenizerFast"}))
     messages = examples(random.Random(3), 1)[0]["messages"]
     data.start_examples_worker(str(tmp_path / "tokenizer.json"))
-    pieces = data.example_pieces({"messages": messages}, lambda: "row")
-    ours = sum((ids for ids, _ in pieces), [])
+    ours, marks = data.example_ids({"messages": messages}, lambda: "row")
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours == hf.apply_chat_template(messages, tokenize=True, return_dict=False)
     im_end = hf.convert_tokens_to_ids("<|im_end|>")
-    targets = [i for ids, target in pieces if target for i in ids]
+    targets = [i for i, target in zip(ours, marks) if target]
     assert targets.count(im_end) == 2  # each assistant turn ends its target with <|im_end|>
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert hf.decode(targets) == "".join(a + "<|im_end|>\n" for a in answers)
     prompt, stop = data.chat_prompt(str(tmp_path / "tokenizer.json"), messages[:2])
     assert prompt == hf.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
     assert stop == {im_end}
 
 
-def test_generation_stops_at_the_end_of_turn():
+def test_generation_stops_once_every_row_ended_its_turn():
     cfg = model_lib.resolve_model_config(model_lib.ModelConfig(arch="baseline", vocab_size=30))
     torch.manual_seed(0)
     m = model_lib.build_model(cfg).eval()
-    prompt = torch.tensor([[1, 2, 3]])
-    full, _ = m.generate(prompt, 8, temperature=0)
-    stop = full[0, 5].item()  # the third generated token
-    early, _ = m.generate(prompt, 8, temperature=0, stop={stop})
-    first = full[0, 3:].tolist().index(stop)
-    assert early.tolist()[0] == full[0, :4 + first].tolist()
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    full, _ = m.generate(prompt, 12, temperature=0)
+    first = [row[3:].index(row[5]) for row in full.tolist()]  # where each row's third token first is
+    stop = {full[0, 5].item(), full[1, 5].item()}
+    ends = [min(row[3:].index(t) for t in stop if t in row[3:]) for row in full.tolist()]
+    early, _ = m.generate(prompt, 12, temperature=0, stop=stop)
+    assert early.shape[1] == 3 + max(ends) + 1 < full.shape[1] or max(first) == 9  # ended at the later row
+    assert torch.equal(early, full[:, :early.shape[1]])
+
+
+def test_a_new_chat_template_rebuilds_the_cache_and_a_resume_sees_it(sft, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.model").write_bytes(Path(sft["tokenizer"]).read_bytes())
+    cfg = data.DataConfig(dataset=sft["val"], val_path=sft["val"], tokenizer=str(model_dir / "tokenizer.model"),
+                          instruct=True, seq_len=SEQ, cache_dir=str(tmp_path / "cache"))
+    data.prepare_data(cfg)
+    before = data.open_dataset(cfg, 0)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.role }}> {{ m.content }}\n{% endfor %}"
+         "{% if add_generation_prompt %}assistant> {% endif %}"}))
+    data.prepare_data(cfg)
+    after = data.open_dataset(cfg, 0)
+    assert not np.array_equal(np.asarray(before.val_tokens), np.asarray(after.val_tokens))
+    assert before.digests["chat template"] != after.digests["chat template"]
+
+
+def test_a_prompt_and_its_completion_are_encoded_as_one_text(tmp_path):
+    """SentencePiece with a dummy prefix (Llama 2, Mistral) would give the completion its own "▁"
+    if encoded apart: the ids are those of the joined text, the targets the completion's."""
+    from test_data import english
+    from test_hf import llama2_sentencepiece
+    model = tmp_path / "tokenizer.model"
+    llama2_sentencepiece(model, [english(200, seed=i) for i in range(5)])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
+                                                                "eos_token": "</s>"}))
+    data.start_examples_worker(str(model))
+    sp = data._examples[0]
+    ids, marks = data.example_ids({"prompt": "the cat", "completion": " sat on the mat"}, lambda: "row")
+    assert ids == [sp.bos_id()] + sp.encode("the cat sat on the mat") + [sp.eos_id()]
+    assert sp.decode([i for i, t in zip(ids, marks) if t]) == "sat on the mat"
 
 
 @pytest.fixture(scope="module")
