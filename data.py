@@ -1108,7 +1108,8 @@ def write_examples(cfg, model: Path, parts: list[Part], dest: Path, workers: int
     width = (cfg.seq_len or TEXT_SEQ_LEN) + 1
     dtype = token_dtype(open_tokenizer(model).vocab_size())
     row, row_marks = np.zeros(width, dtype), np.zeros(width, np.uint8)
-    fill, rows, targets = 0, 0, {}  # tokens in the row so far, rows written, targets by file
+    fill, rows = 0, 0  # tokens in the row so far, rows written
+    seen, targets = collections.Counter(), collections.Counter()  # examples, targets by file
     encoded = in_order(encode_examples, parts, workers, start_examples_worker, (str(model),))
     with open(dest, "wb") as f, open(dest.with_suffix(".mask"), "wb") as fm:
         def flush():
@@ -1119,7 +1120,7 @@ def write_examples(cfg, model: Path, parts: list[Part], dest: Path, workers: int
             row_marks.tofile(fm)
             fill, rows = 0, rows + 1
         for part, (ids, marks, lengths) in zip(parts, encoded):
-            targets.setdefault(part.path, 0)
+            seen[part.path] += len(lengths)
             for lo, n in zip(np.cumsum(lengths) - lengths, lengths):
                 if n > width:
                     counts["too long"] += 1
@@ -1140,8 +1141,11 @@ def write_examples(cfg, model: Path, parts: list[Part], dest: Path, workers: int
             bar.update(part.size)
         if fill:
             flush()
-    for path, n in targets.items():
-        if not n:
+    for path in seen:
+        if not seen[path]:
+            raise DataError(f"{path}: the file holds no examples (blank lines at most); give rows "
+                            "of examples, or remove it")
+        if not targets[path]:
             raise DataError(f"{path}: no example keeps a target token within --seq-len "
                             f"{width - 1} (the answers come later); raise --seq-len, or remove "
                             "the file")

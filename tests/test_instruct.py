@@ -336,6 +336,12 @@ def test_a_template_that_fails_and_a_shard_without_targets_are_refused(sft, tmp_
     r = data_py(["--dataset", str(long), "--val-path", sft["val"], "--instruct", "--tokenizer", sft["tokenizer"],
                  "--seq-len", "32", "--cache-dir", "cache"], tmp_path)
     assert r.returncode == 2 and f"error: {long}: no example keeps a target token" in r.stderr, r.stderr
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    r = data_py(["--dataset", str(blank), "--val-path", sft["val"], "--instruct", "--tokenizer", sft["tokenizer"],
+                 "--cache-dir", "cache"], tmp_path)
+    assert r.returncode == 2 and r.stderr == f"error: {blank}: the file holds no examples (blank lines at most); " \
+        "give rows of examples, or remove it\n", r.stderr
     assert not (tmp_path / "cache").exists()
 
 
