@@ -545,12 +545,13 @@ def parquet_file(path: Path, texts=True):
     except Exception as e:  # pyarrow's ArrowInvalid and OSError: a truncated or foreign file
         raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     names = pf.schema_arrow.names
-    if texts and "text" not in names:
-        raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must be '
-                        'in "text"')
-    kind = texts and str(pf.schema_arrow.field("text").type)
-    if texts and kind not in ("string", "large_string", "string_view"):
-        raise DataError(f'{path}: column "text" holds {kind}, not strings')
+    if texts:
+        if "text" not in names:
+            raise DataError(f'{path}: no "text" column (it has {", ".join(names)}); the text must '
+                            'be in "text"')
+        kind = pf.schema_arrow.field("text").type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise DataError(f'{path}: column "text" holds {kind}, not strings')
     if pf.metadata.num_rows == 0:
         raise DataError(f"{path}: the shard is empty (no rows); remove it or write it again")
     return pf
@@ -922,10 +923,10 @@ PLAIN_TEMPLATE = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.conten
 _examples = None  # (tokenizer, BOS ids, template, its BOS and EOS texts, the model's own?)
 
 
-def chat_template(model: str):
+def chat_template(model: str, tok):
     """(template, variables, own?): the tokenizer's chat template (chat_template in the
     tokenizer_config.json beside it, or chat_template.jinja) compiled as transformers compiles
-    it, or PLAIN_TEMPLATE (own False); the variables give BOS and EOS as text."""
+    it, or PLAIN_TEMPLATE (own False); the variables give tok's BOS and EOS as text."""
     try:
         import jinja2
         import jinja2.sandbox
@@ -949,7 +950,6 @@ def chat_template(model: str):
         template = env.from_string(source or PLAIN_TEMPLATE)
     except jinja2.TemplateError as e:
         raise DataError(f"{model}: its chat template is not valid Jinja ({e})") from None
-    tok = open_tokenizer(model, threads=1)
     names = {"bos_token": tok.bos_id(), "eos_token": tok.eos_id()}
     variables = {k: tok.id_to_piece(i) if i >= 0 else "" for k, i in names.items()}
     return template, variables, bool(source)
@@ -958,7 +958,7 @@ def chat_template(model: str):
 def start_examples_worker(model: str) -> None:
     global _examples
     tok = open_tokenizer(model, threads=1)
-    template, variables, own = chat_template(model)
+    template, variables, own = chat_template(model, tok)
     if tok.eos_id() < 0:
         raise DataError(f"{model}: the tokenizer names no end-of-sequence token to end answers "
                         "with (eos_token in tokenizer_config.json)")
@@ -972,14 +972,13 @@ def chat_prompt(model: str, messages) -> tuple[list[int], set[int]]:
     up to the assistant's turn; a turn ends at EOS, or an eos_token_id of generation_config.json."""
     start_examples_worker(model)
     tok, bos, template, variables, own = _examples
-    if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages)):
+    if not (isinstance(messages, list) and messages):
         raise DataError(f"the chat {messages!r:.80} is not a list of {{\"role\", \"content\"}} "
-                        f"with roles among {', '.join(ROLES)}")
+                        "messages")
+    check_messages(messages, lambda: "the chat")
     text = render(template, messages, True, variables, lambda: "the chat")
     ends = read_json_beside(Path(model), "generation_config.json").get("eos_token_id", [])
-    return ([] if own else bos) + encode_marked(tok, [(text, False)], variables)[0], {
+    return ([] if own else bos) + encode_text(tok, text, variables), {
         tok.eos_id(), *(ends if isinstance(ends, list) else [ends])}
 
 
@@ -1026,7 +1025,8 @@ def example_ids(row, where) -> tuple[list[int], list[bool]]:
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
         ids, targets = encode_marked(tok, chat_pieces(row["messages"], template, variables, where),
                                      variables)
-        return ([] if own else bos) + ids, [False] * len(bos if not own else []) + targets
+        first = [] if own else bos  # a model's own template writes its BOS
+        return first + ids, [False] * len(first) + targets
     if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
             and isinstance(row.get("completion"), str)):
         raise DataError(f'{where()}: not an example; each row needs "prompt" and "completion" '
@@ -1056,14 +1056,9 @@ def encode_marked(tok, pieces, variables) -> tuple[list[int], list[bool]]:
 def chat_pieces(messages, template, variables, where) -> list[tuple[str, bool]]:
     """The rendered chat in pieces, each assistant turn a target: the text the template adds for
     that turn after the generation prompt that precedes it."""
-    for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("content"), str)
-                and m.get("role") in ROLES):
-            role = m.get("role") if isinstance(m, dict) else None
-            raise DataError(f"{where()}: message {m!r:.60} is not a {{\"role\", \"content\"}} with "
-                            f"a known role (role {role!r}; valid: {', '.join(ROLES)})")
-        if m["role"] == "assistant" and not m["content"].strip():
-            raise DataError(f"{where()}: an assistant message is empty; every answer needs text")
+    check_messages(messages, where)
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
+        raise DataError(f"{where()}: an assistant message is empty; every answer needs text")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where()}: no assistant message, so nothing to learn from the row")
     pieces, done = [], ""
@@ -1078,6 +1073,16 @@ def chat_pieces(messages, template, variables, where) -> list[tuple[str, bool]]:
         pieces += [(head[len(done):], False), (full[len(head):], True)]
         done = full
     return pieces
+
+
+def check_messages(messages, where) -> None:
+    """Each message a {"role", "content"} of a known role."""
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str)
+                and m.get("role") in ROLES):
+            role = m.get("role") if isinstance(m, dict) else None
+            raise DataError(f"{where()}: message {m!r:.60} is not a {{\"role\", \"content\"}} with "
+                            f"a known role (role {role!r}; valid: {', '.join(ROLES)})")
 
 
 def render(template, messages, generation_prompt, variables, where) -> str:
@@ -1101,12 +1106,11 @@ def encode_text(tok, text: str, variables: dict) -> list[int]:
     return ids
 
 
-def write_examples(cfg, model: Path, parts: list[Part], dest: Path, workers: int, counts,
+def write_examples(cfg, model: Path, dtype, parts: list[Part], dest: Path, workers: int, counts,
                    bar) -> int:
     """Pack the parts' examples, in order, into rows of --seq-len + 1 tokens (several a row under
     --document-mask, else one), padded; ids into dest, marks into dest.mask. Returns the rows."""
     width = (cfg.seq_len or TEXT_SEQ_LEN) + 1
-    dtype = token_dtype(open_tokenizer(model).vocab_size())
     row, row_marks = np.zeros(width, dtype), np.zeros(width, np.uint8)
     fill, rows = 0, 0  # tokens in the row so far, rows written
     seen, targets = collections.Counter(), collections.Counter()  # examples, targets by file
@@ -1160,7 +1164,7 @@ def check_examples_input(cfg, paths: list[Path], model) -> None:
                         "fine-tuned (--init-from a model directory sets it)")
     if bad := [p for p in paths if p.suffix not in (".jsonl", ".parquet")]:
         raise DataError(f"--instruct: {bad[0]} is not a .jsonl or .parquet file of examples")
-    chat_template(str(model))
+    chat_template(str(model), open_tokenizer(model, threads=1))
 
 
 def build_examples(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> dict:
@@ -1168,15 +1172,15 @@ def build_examples(cfg, sources: dict, identity: dict, tmp: Path, out: Path) -> 
     build_cache does for a corpus; --val-fraction holds out the last rows. Returns the manifest."""
     parts, workers, model = sources["parts"], data_workers(cfg), sources["model"]
     tok, counts = open_tokenizer(model), collections.Counter()
+    width, dtype = (cfg.seq_len or TEXT_SEQ_LEN) + 1, token_dtype(tok.vocab_size())
     print(f"data: packing the examples of {len(sources['train']) + len(sources['val'])} files "
           f"into {out} with {workers} processes")
     with progress(parts["train"] + parts["val"], "tokenising") as bar:
-        n_train = write_examples(cfg, model, parts["train"], tmp / "train.bin", workers, counts,
-                                 bar)
+        n_train = write_examples(cfg, model, dtype, parts["train"], tmp / "train.bin", workers,
+                                 counts, bar)
         if parts["val"]:
-            n_val = write_examples(cfg, model, parts["val"], tmp / "val.bin", workers, counts,
-                                   bar)
-    width, dtype = (cfg.seq_len or TEXT_SEQ_LEN) + 1, token_dtype(tok.vocab_size())
+            n_val = write_examples(cfg, model, dtype, parts["val"], tmp / "val.bin", workers,
+                                   counts, bar)
     if not parts["val"]:
         n_val = min(n_train, math.ceil(n_train * cfg.val_fraction))
         for suffix, kind in ((".bin", dtype), (".mask", np.uint8)):

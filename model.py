@@ -523,11 +523,11 @@ class Transformer(nn.Module):
         cache = [dict() for _ in self.blocks]
         logits, _ = self(prompt_ids, z=None if codes is None else codes[:, :T0], cache=cache)
         out = prompt_ids
+        stop_ids = torch.tensor(list(stop), dtype=torch.long, device=prompt_ids.device)
         for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, generator)
             out = torch.cat([out, nxt], dim=1)
-            if stop and torch.isin(out[:, T0:], torch.tensor(list(stop), device=out.device)).any(
-                    dim=1).all():
+            if stop and torch.isin(out[:, T0:], stop_ids).any(dim=1).all():
                 break
             if i + 1 < max_new_tokens:
                 pos = slice(T0 + i, T0 + i + 1)
@@ -541,12 +541,13 @@ def document_layout(cos, sin, positions, dropout=0.0):
     on a GPU the masks are FlexAttention block masks, which skip the blocks between documents
     (without dropout, which it lacks; evaluation runs eager, where FlexAttention is unfused);
     elsewhere dense booleans, (B, 1, T, T), for SDPA."""
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     docs = torch.cumsum(positions == 0, dim=1)
     if positions.is_cuda and dropout == 0 and torch.is_grad_enabled():
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), document_block_masks(docs)
+        return cos, sin, document_block_masks(docs)
     same = (docs[:, :, None] == docs[:, None, :]).unsqueeze(1)
     causal = torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), (same & causal, same)
+    return cos, sin, (same & causal, same)
 
 
 _flex_attention = None  # compiled (eager, it is a slow reference) with the first block masks
