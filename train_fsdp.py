@@ -749,9 +749,7 @@ def recomputes_compiled_blocks(cfg):
 def precision_context(cfg, device):
     """FSDP casts by its mixed-precision policy: the model computes in param_dtype. DDP and one
     device autocast instead (weights, residual stream fp32); --autocast adds autocast to FSDP."""
-    if not autocasts(cfg):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype])
+    return torch.autocast(device.type, DTYPES[cfg.fsdp.param_dtype], enabled=autocasts(cfg))
 
 
 def autocasts(cfg):
