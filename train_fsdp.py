@@ -2554,7 +2554,13 @@ def parse_config(argv, cfg=None):
 
 def check_config(cfg):
     """Every check the settings allow on their own, before anything is set up or written."""
-    check_ranges(cfg)
+    for sec in sections(cfg).values():
+        for f in dataclasses.fields(sec):
+            flag, value, rule = flag_name(f.name), getattr(sec, f.name), f.metadata.get("valid", "")
+            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", nan fails
+                raise BadInput(f"{flag} {value}: must be a finite number {rule}".rstrip())
+            if rule and not in_range(value, rule):
+                raise BadInput(f"{flag} {value}: must be {rule}")
     t, c = cfg.train, cfg.checkpoint
     if c.async_save and c.checkpoint_type != "sharded":
         raise BadInput("--async-save needs --checkpoint-type sharded (a full checkpoint is one "
@@ -2602,16 +2608,6 @@ def import_optional(module, flag):
         raise BadInput(f"{flag} needs this project's {module}.py beside train_fsdp.py, not {where} "
                        "(another package of that name): copy it from this project")
     return found
-
-
-def check_ranges(cfg):
-    for sec in sections(cfg).values():
-        for f in dataclasses.fields(sec):
-            flag, value, rule = flag_name(f.name), getattr(sec, f.name), f.metadata.get("valid", "")
-            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", nan fails
-                raise BadInput(f"{flag} {value}: must be a finite number {rule}".rstrip())
-            if rule and not in_range(value, rule):
-                raise BadInput(f"{flag} {value}: must be {rule}")
 
 
 def in_range(value, valid):
