@@ -787,16 +787,6 @@ def hybrid_shard_size(cfg, topo):
     return cfg.fsdp.hybrid_shard_size or topo.local_world
 
 
-def hand_replication_to_ddp(cfg, topo):
-    """1-process HYBRID_SHARD* shard groups go to DDP: FSDP1 would skip the replicas' all-reduce."""
-    f = cfg.fsdp
-    replicas = "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1
-    if strategy_of(cfg).shards and replicas and topo.world > 1:
-        say(topo, f"{f.sharding_strategy} with 1 process per shard group is pure replication: "
-            "using DDP (--strategy ddp) across all processes")
-        cfg.train.strategy = "ddp"
-
-
 # =============================================================================================
 # Optimizer and schedule
 
@@ -2679,9 +2669,14 @@ def check_world(cfg, topo):
 def resolve_config(cfg, topo, data):
     """Fill in what the settings leave open once the world and data are known (the strategy, its
     needs, the run's length, the seams' resolve(data)); then only read. Returns the strategy."""
-    hand_replication_to_ddp(cfg, topo)
+    t, f = cfg.train, cfg.fsdp
+    # 1-process HYBRID_SHARD* shard groups go to DDP: FSDP1 would skip the replicas' all-reduce.
+    replicas = "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1
+    if strategy_of(cfg).shards and replicas and topo.world > 1:
+        say(topo, f"{f.sharding_strategy} with 1 process per shard group is pure replication: "
+            "using DDP (--strategy ddp) across all processes")
+        t.strategy = "ddp"
     strategy_of(cfg).resolve(cfg, topo)
-    t = cfg.train
     t.max_steps = t.max_steps or math.ceil(t.epochs * data.steps_per_epoch(t.global_batch))
     if t.lr_schedule == "wsd" and t.lr_decay_steps + t.warmup_steps > t.max_steps:
         raise BadInput(f"--lr-decay-steps {t.lr_decay_steps}: the wsd decay and --warmup-steps "
