@@ -428,8 +428,7 @@ def wrap_fsdp1(model, policy, blocks, cfg, topo, init_fn):
 
 
 def wrap_policy(model, wrap_classes, cfg):
-    """FSDP1's auto_wrap_policy, whose units FSDP2 shards too: ModuleWrapPolicy over the blocks, a
-    lambda policy, torch's size rule; or none, the root one unit (auto, below ONE_UNIT_BELOW)."""
+    """FSDP1's auto_wrap_policy, whose units FSDP2 shards too; None: the root is the one unit."""
     f, blocks = cfg.fsdp, tuple(wrap_classes)
     if one_unit(f, parameter_count(model)):
         return None
@@ -622,8 +621,7 @@ STRATEGIES["fsdp2"] = Strategy(
 
 
 def wrap_whole(model, policy, blocks, cfg, topo, init_fn, ddp=False):
-    """Compile the blocks in place (or the model after wrapping), checkpoint, materialise a meta
-    model by module, in FSDP1's order, then DDP: gradients as views into its buckets."""
+    """The whole model on every process: compile, checkpoint, materialise in FSDP1's order, DDP."""
     n = parameter_count(model)
     compile_in_place(model, blocks, cfg, whole=False)
     checkpoint_blocks(blocks, cfg.fsdp)
@@ -772,8 +770,7 @@ def say(topo, line):
 
 
 def device_mesh(cfg, topo):
-    """FSDP's mesh: 1-D over all processes, or 2-D for HYBRID_SHARD* (sharded in a node,
-    replicated across nodes). With it FSDP1's state dicts hold DTensors like FSDP2's."""
+    """FSDP's mesh (2-D for HYBRID_SHARD*): with it FSDP1's state dicts hold DTensors like FSDP2."""
     if not strategy_of(cfg).shards:
         return None
     if "HYBRID" in cfg.fsdp.sharding_strategy:
@@ -1210,8 +1207,7 @@ def error_line(e):
 
 
 def init_order(model, units):
-    """The modules in the order FSDP1 materialises a meta model: unit by unit (children first),
-    breadth-first inside each down to the next unit, then the root's own modules."""
+    """The modules in the order FSDP1 materialises a meta model: by unit, breadth-first in each."""
     unit_set, order, seen = set(units), [], set()
     for top in units + [model]:
         queue = collections.deque([top])
@@ -1414,8 +1410,7 @@ def staging_path(path):
 
 
 def checkpoint_meta(cfg, step, tokens_seen, tokenizer, scaler, world, val_loss=None, digests=None):
-    """meta.json but the file sizes. val_loss: this very step's validation loss (--keep-best);
-    digests: the data's (BatchSource), which a resume compares."""
+    """meta.json but the file sizes; val_loss: this step's (--keep-best), digests: the data's."""
     return dict(step=step, tokens_seen=tokens_seen, type=cfg.checkpoint.checkpoint_type,
                 world_size=world, config=dataclasses.asdict(cfg), tokenizer=tokenizer,
                 scaler=scaler.state_dict() if scaler else None, val_loss=val_loss, data=digests)
@@ -2667,8 +2662,7 @@ def check_world(cfg, topo):
 
 
 def resolve_config(cfg, topo, data):
-    """Fill in what the settings leave open once the world and data are known (the strategy, its
-    needs, the run's length, the seams' resolve(data)); then only read. Returns the strategy."""
+    """What the settings leave open, filled in once the world and data are known; then only read."""
     t, f = cfg.train, cfg.fsdp
     # 1-process HYBRID_SHARD* shard groups go to DDP: FSDP1 would skip the replicas' all-reduce.
     replicas = "HYBRID" in f.sharding_strategy and hybrid_shard_size(cfg, topo) == 1
