@@ -1,9 +1,8 @@
 """Train a decoder-only Transformer or a Free Transformer with FSDP, DDP or on one device.
 
-One file, raw torch.distributed, read top to bottom: the config, the seams (model, loss, data),
-the distributed setup, the strategies (FSDP1, FSDP2, DDP, one device: each in one section, with
-all it decides), the optimizer, the step and evaluation, then main(), which runs them in that
-order. After main() comes the reference: checkpoints, the run directory, logging, the command line.
+One file, raw torch.distributed, read top to bottom: config, seams (model, loss, data), distributed
+setup, strategies (FSDP1, FSDP2, DDP, one device: a section each), optimizer, step and evaluation,
+then main(), which runs them in order; after it, the reference: checkpoints, run dir, logging, CLI.
 
     python train_fsdp.py                                  # one process (CPU or one GPU)
     torchrun --nproc_per_node=4 train_fsdp.py             # one node, 4 GPUs
@@ -1156,9 +1155,8 @@ def leave(code):
 
 
 def rank0_does(fn, rank, failure=None, what="its file work"):
-    """Run fn on rank 0 only (file work: a token cache, a checkpoint); every rank returns its result
-    or raises failure(its error): by default BadInput, RunFailed for a RuntimeError (the machine's).
-    No collective times out: rank 0 runs fn in a thread, saying every COLLECTIVE_TIMEOUT / 10 so."""
+    """Run fn (file work) on rank 0 alone, in a thread: no collective times out meanwhile. Every
+    rank returns its result or raises failure(its error): BadInput, RunFailed for a RuntimeError."""
     box = [None, None]  # (error, a fault of the machine?), result
 
     def run_into_box():
@@ -2232,7 +2230,6 @@ def progress_bar(plan, start_step, topo):
 
 
 def start_profiler(cfg, topo):
-    """--profile: a Chrome trace of steps 2-4 per rank in the run directory."""
     if not cfg.train.profile:
         return None
     trace = os.path.join(cfg.train.out_dir, f"trace_rank{topo.rank}.json")
