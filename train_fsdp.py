@@ -812,8 +812,7 @@ def peak_lr(t):
 
 
 def decayed_names(model):
-    """Names of the parameters weight decay applies to, taken before wrapping (FSDP1 shows shards as
-    1-D views): the model's decay_filter(name, param) where it has one, else the >= 2-D weights."""
+    """Names weight decay applies to, taken before wrapping (FSDP1 shows shards as 1-D views)."""
     decays = getattr(model, "decay_filter", lambda name, p: p.dim() >= 2)
     return {n for n, p in model.named_parameters() if decays(n, p)}
 
