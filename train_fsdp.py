@@ -1080,7 +1080,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
 def close_all(checkpointer, bar, log, profiler, stopper):
     checkpointer.close()
     bar.close()
-    log.close_trackers()
+    if log.trackers:
+        log.trackers.close()
     if profiler:
         profiler.stop()
     stopper.close()
@@ -2101,10 +2102,6 @@ class RunLog:
                       **{f"val_{k}": v for k, v in val.items()}})
         losses = " ".join(f"{k} {v:.4f}" for k, v in val.items())
         self.line(f"step {step:>6} | validation {losses} | {seconds[0]:.2f} s")
-
-    def close_trackers(self):
-        if self.trackers:
-            self.trackers.close()
 
     def close(self):
         for fh in filter(None, (self.jsonl, self.text)):
