@@ -167,6 +167,12 @@ def load_model(path, meta):
     loader (sharded: DCP in this one process; full: model.pt). Every parameter starts as NaN,
     so one that the checkpoint lacks is found instead of exported at its initial value."""
     cfg = model_lib.ModelConfig(**model_lib.saved_fields(meta["config"]["model"]))
+    if cfg.lora_rank:  # adapters only (sharded): merged into the base, as --export merges them
+        export = train_fsdp.import_optional("ckpt_export", "convert_to_hf.py")
+        state, meta = export.merged_lora(path, meta, export.saved_model(path, train_fsdp), train_fsdp)
+        model = model_lib.build_model(model_lib.ModelConfig(**meta["config"]["model"]))
+        model.load_state_dict(state)
+        return model.eval()
     model = model_lib.build_model(cfg)
     with torch.no_grad():
         for p in model.parameters():

@@ -104,5 +104,6 @@ def load(path, model):
     reader = HuggingFaceStorageReader(path)
     keys = reader.read_metadata().state_dict_metadata
     state = get_model_state_dict(model)  # FSDP: this rank's shards; DDP and none: all of it
-    dcp.load({file_name(n, keys): t for n, t in state.items()}, storage_reader=reader)
+    named = {file_name(n, keys): t for n, t in state.items()}
+    dcp.load({k: t for k, t in named.items() if k in keys}, storage_reader=reader)  # not adapters
     set_model_state_dict(model, state)

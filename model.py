@@ -36,6 +36,10 @@ SIZE_PRESETS = {
 }
 
 
+# The projections --lora-targets may name: attention's query, key, value, output; the MLP's three.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
 def opt(default, help, choices=None):
     """A config field whose help text (and allowed values) become the command-line flag's."""
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -85,6 +89,14 @@ class ModelConfig:
                               "export; a window below --seq-len is refused")
     hf_architecture: str = opt("", "the Hugging Face architecture the weights came from; "
                                "convert_to_hf.py writes it back")
+    # LoRA (Hu et al. 2021): every weight frozen, a trainable low-rank update B·A·alpha/rank beside
+    # each target projection; the base comes from --init-from, the checkpoints hold the adapters.
+    lora_rank: int = opt(0, "LoRA: rank of the adapters (0 = off: every weight trains)")
+    lora_alpha: float = opt(16.0, "LoRA: the adapters' update is scaled by alpha / rank")
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input")
+    lora_targets: str = opt("wq,wk,wv,wo", "LoRA: the projections that get adapters, "
+                            "comma-separated: " + ", ".join(LORA_TARGETS) + " (the MLP's gate, "
+                            "down, up)")
 
     # What train_fsdp.py reads besides the fields (its "Seams" comment). A resumed run may change
     # the size preset's name (its fields are compared one by one) and the chunking of the Binary
@@ -104,6 +116,7 @@ class ModelConfig:
         return saved_fields(table)
 
 
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 HF_FIELDS = ("head_dim", "qkv_bias", "qk_norm", "rope_scaling", "rope_factor",
              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
              "sliding_window", "hf_architecture")
@@ -120,7 +133,8 @@ RANGES = [
                                                ">= 0 and even"),
     ("rope_factor", lambda v: v >= 1, ">= 1"), ("rope_original_context", lambda v: v >= 1, ">= 1"),
     ("rope_low_freq_factor", lambda v: v > 0, "> 0"), ("sliding_window", lambda v: v >= 0, ">= 0"),
-    ("rope_high_freq_factor", lambda v: v > 0, "> 0"),
+    ("rope_high_freq_factor", lambda v: v > 0, "> 0"), ("lora_rank", lambda v: v >= 0, ">= 0"),
+    ("lora_alpha", lambda v: v > 0, "> 0"), ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 ]
 
 
@@ -130,8 +144,8 @@ def saved_fields(table):
     iid rows of std init_std. Read every saved config through this, never with today's defaults."""
     before = {"latent_init": "random", "latent_inject": "pre_norm",
               "latent_std": table.get("init_std", 0.02)}
-    # The fields of the downloaded families came later, off: the value every earlier run had.
-    later = {f.name: f.default for f in fields(ModelConfig) if f.name in HF_FIELDS}
+    # The fields of the downloaded families and LoRA came later, off: every earlier run's value.
+    later = {f.name: f.default for f in fields(ModelConfig) if f.name in HF_FIELDS + LORA_FIELDS}
     return {**later, **before, **table}
 
 
@@ -160,6 +174,10 @@ def check_model_config(cfg):
     if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
         raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of "
                          "blocks >= 2")
+    unknown = set(cfg.lora_targets.split(",")) - set(LORA_TARGETS)
+    if cfg.lora_rank and unknown:
+        raise ValueError(f"--lora-targets {cfg.lora_targets!r}: {', '.join(sorted(unknown))} is "
+                         f"not a projection; valid: {','.join(LORA_TARGETS)}, comma-separated")
     if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
         raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
 
@@ -245,15 +263,52 @@ def apply_rope(x, cos, sin):
     return out.type_as(x)
 
 
+class LoRALinear(nn.Linear):
+    """A Linear whose weight stays frozen beside a trainable low-rank update: y = x W^T + b +
+    (x A^T B^T) alpha / rank. B starts at zero, so the first forward is the base model's."""
+
+    def __init__(self, d_in, d_out, bias, cfg):
+        super().__init__(d_in, d_out, bias=bias)
+        self.lora_a = nn.Parameter(torch.empty(cfg.lora_rank, d_in))
+        self.lora_b = nn.Parameter(torch.empty(d_out, cfg.lora_rank))
+        self.scale = cfg.lora_alpha / cfg.lora_rank
+        self.lora_drop = nn.Dropout(cfg.lora_dropout)
+
+    def forward(self, x):
+        update = F.linear(F.linear(self.lora_drop(x), self.lora_a), self.lora_b)
+        return super().forward(x) + update * self.scale
+
+
+def projection(cfg, name, d_in, d_out, bias=False):
+    """The Linear layer `name` of a block: with adapters when LoRA targets it."""
+    if cfg.lora_rank and name in cfg.lora_targets.split(","):
+        return LoRALinear(d_in, d_out, bias, cfg)
+    return nn.Linear(d_in, d_out, bias=bias)
+
+
+def merge_lora(state, cfg):
+    """A LoRA model's state dict as the plain model's: each adapted weight becomes W + B·A·alpha /
+    rank, in fp32 (in a bf16 W the small update would round away), and the adapters go."""
+    merged = {n: t for n, t in state.items() if ".lora_" not in n}
+    for name in state:
+        if name.endswith(".lora_a"):
+            layer = name.removesuffix(".lora_a")
+            update = state[layer + ".lora_b"].float() @ state[name].float()
+            merged[layer + ".weight"] = state[layer + ".weight"].float() + update * (
+                cfg.lora_alpha / cfg.lora_rank)
+    return merged
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = head_size(cfg)
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * self.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+        q, kv = cfg.n_head * self.head_dim, cfg.n_kv_head * self.head_dim
+        self.wq = projection(cfg, "wq", cfg.d_model, q, bias=cfg.qkv_bias)
+        self.wk = projection(cfg, "wk", cfg.d_model, kv, bias=cfg.qkv_bias)
+        self.wv = projection(cfg, "wv", cfg.d_model, kv, bias=cfg.qkv_bias)
+        self.wo = projection(cfg, "wo", q, cfg.d_model)
         self.wo.residual_out = True
         self.dropout = cfg.dropout
         if cfg.qk_norm:  # over each head's head_dim values, one weight shared by the heads
@@ -296,9 +351,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w1 = projection(cfg, "w1", cfg.d_model, cfg.ffn_hidden)
+        self.w3 = projection(cfg, "w3", cfg.d_model, cfg.ffn_hidden)
+        self.w2 = projection(cfg, "w2", cfg.ffn_hidden, cfg.d_model)
         self.w2.residual_out = True
 
     def forward(self, x):
@@ -464,6 +519,9 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, 0.0, s)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+        if isinstance(m, LoRALinear):  # as PEFT and torchtune: A as nn.Linear's default, B zero
+            nn.init.kaiming_uniform_(m.lora_a, a=math.sqrt(5))
+            nn.init.zeros_(m.lora_b)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, std)
         elif isinstance(m, RMSNorm):
@@ -679,7 +737,10 @@ def init_post_sampler(weight, cfg):
 
 
 def build_model(cfg):
-    return (FreeTransformer if cfg.arch == "free" else Transformer)(cfg)
+    model = (FreeTransformer if cfg.arch == "free" else Transformer)(cfg)
+    for name, p in model.named_parameters():  # LoRA: only the adapters train
+        p.requires_grad = not cfg.lora_rank or ".lora_" in name
+    return model
 
 
 def lm_loss(logits, targets, latent=None, kappa=0.0):
@@ -728,11 +789,13 @@ def matmul_params(cfg):
 
 
 def flops_per_token(cfg, seq_len):
-    """6 * N_matmul (forward and backward) plus causal attention, 6 * L * D * T: half the
+    """6 * N_matmul (forward and backward; under LoRA 4 * N: the frozen weights get no gradient, the
+    adapters' flops are negligible) plus causal attention, 6 * L * D * T: half the
     12 * L * D * T of torchtitan and nanoGPT, so the MFU is the conservative one. The Free
     Transformer adds its non-causal encoder attention (12 * D * T) and the Binary Mapper's backward
     GEMM (2 * 2^H * D)."""
-    flops = 6 * matmul_params(cfg) + 6 * cfg.n_layer * cfg.d_model * seq_len
+    per_param = 4 if cfg.lora_rank else 6
+    flops = per_param * matmul_params(cfg) + 6 * cfg.n_layer * cfg.d_model * seq_len
     if cfg.arch == "free":
         flops += 12 * cfg.d_model * seq_len + 2 * 2 ** cfg.latent_bits * cfg.d_model
     return flops

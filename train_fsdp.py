@@ -658,11 +658,12 @@ STRATEGIES["none"] = dataclasses.replace(  # DDP's, without DDP: one process, no
 def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     """The model wrapped by its strategy, with activation checkpointing and compile in its order.
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
-    blocks = [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
-    model.to(DTYPES[cfg.fsdp.weights_dtype])  # and so their gradients and AdamW's state
+    f, blocks = cfg.fsdp, [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
+    for p in model.parameters():  # and so their gradients and AdamW's state; frozen ones as used
+        p.data = p.data.to(DTYPES[f.weights_dtype if p.requires_grad else f.param_dtype])
     # float8 swaps in new Linear layers: before the units are chosen, which must be the new ones
-    float8 = import_optional("float8", "--float8") if cfg.fsdp.float8 else None  # float8.py
-    if float8 and not float8.to_float8(blocks, cfg.fsdp.float8):
+    float8 = import_optional("float8", "--float8") if f.float8 else None  # float8.py
+    if float8 and not float8.to_float8(blocks, f.float8):
         raise BadInput("--float8 needs Linear layers in the blocks with sides multiples of 16")
     policy = wrap_policy(model, wrap_classes, cfg)
     return strategy_of(cfg).wrap(model, policy, blocks, cfg, topo, init_fn)
@@ -1022,7 +1023,8 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     about = describe_model(model, cfg, plan, wrap_classes)  # the plain model's names and counts
     model = wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, meta_init_module(model, cfg))
     clock.lap("model and wrapping")
-    resume, notes, lock = prepare_run_dir(cfg, topo.rank, getattr(data, "digests", None))
+    digests = run_digests(cfg, model, data, topo)  # what a resume must find unchanged
+    resume, notes, lock = prepare_run_dir(cfg, topo.rank, digests)
     torch.manual_seed(t.seed + topo.rank)  # dropout and sampling differ per rank
     optimizer = build_optimizer(model, cfg, plan.peak_lr, topo.device, about)
     scaler = strategy.scaler(topo.device.type) if cfg.fsdp.param_dtype == "fp16" else None
@@ -1031,7 +1033,7 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     clock.lap("run directory and checkpoint")
     log = start_log(cfg, topo, plan, model, about, data.n_val, notes, start_step)
 
-    checkpointer = Checkpointer(cfg, topo, log, data, scaler)
+    checkpointer = Checkpointer(cfg, topo, log, data.tokenizer_path, digests, scaler)
     stopper, nonfinite = Stopper(topo, log), NonFinite(topo.device, log, cfg, scaler)
     meter, bar = Meter(topo, plan, about["flops"]), progress_bar(plan, start_step, topo)
     profiler = start_profiler(cfg, topo)  # None unless --profile
@@ -1290,13 +1292,13 @@ class Checkpointer:
     """The saves of a run, on every rank (state dicts and DCP are collectives). --async-save writes
     the --save-every checkpoints in the background, one at a time; a stop's and the last are not."""
 
-    def __init__(self, cfg, topo, log, data, scaler):
+    def __init__(self, cfg, topo, log, tokenizer_path, digests, scaler):
         self.cfg, self.c, self.topo, self.log = cfg, cfg.checkpoint, topo, log
-        self.data, self.scaler = data, scaler
+        self.tokenizer_path, self.digests, self.scaler = tokenizer_path, digests, scaler
         self.pending = None  # the background save under way: (path, meta, DCP's future, staged at)
         copies = strategy_of(cfg).copies_shards and cfg.fsdp.sharding_strategy != "NO_SHARD"
         gpus = topo.world > 1 and topo.device.type == "cuda"
-        self.sharded = StateDictOptions(cpu_offload=copies and gpus)
+        self.sharded = StateDictOptions(cpu_offload=copies and gpus, ignore_frozen_params=True)
         # Full: gathered by every rank; on GPUs torch keeps it, on the host, on rank 0 alone.
         self.full = StateDictOptions(full_state_dict=True, cpu_offload=topo.device.type != "cpu")
         if self.c.async_save and self.c.save_every:
@@ -1309,9 +1311,8 @@ class Checkpointer:
     def save(self, step, tokens_seen, model, optimizer, val_loss, last, stop):
         """Save step `step` (val_loss: its validation loss or None); the last adds model.pt."""
         self.publish_finished(wait=True)  # one at a time, in order
-        meta = checkpoint_meta(self.cfg, step, tokens_seen, self.data.tokenizer_path, self.scaler,
-                               self.topo.world, val_loss=val_loss,
-                               digests=getattr(self.data, "digests", None))
+        meta = checkpoint_meta(self.cfg, step, tokens_seen, self.tokenizer_path, self.scaler,
+                               self.topo.world, val_loss=val_loss, digests=self.digests)
         path = os.path.join(self.cfg.train.out_dir, "checkpoints", f"step_{step:07d}")
         tmp, t0, error = staging_path(path), time.perf_counter(), None
         background = self.c.async_save and not (last or stop)
@@ -1322,7 +1323,8 @@ class Checkpointer:
                 future = self.start_async_save(path, meta, model, optimizer)
                 self.pending = (path, meta, future, time.perf_counter())
             else:
-                self.write(tmp, meta, model, optimizer, consolidate=last)
+                # the whole model at the end; with frozen weights, --export merges them in
+                self.write(tmp, meta, model, optimizer, consolidate=last and not freezes(model))
             write_rng_state(tmp, self.topo.rank)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = error_text(e, self.topo.rank, tmp)
@@ -1652,11 +1654,12 @@ def read_dcp_metadata(dcp_dir):
         return RestrictedUnpickler(fh, path, DCP_METADATA_GLOBALS).load()
 
 
-def dcp_load(state, dcp_dir):
+def dcp_load(state, dcp_dir, partial=False):
     """dcp.load running no checkpoint code: a refusal on any rank is BadInput, not DCP's wrapper."""
     read_dcp_metadata(dcp_dir)
     try:
-        dcp.load(state, checkpoint_id=dcp_dir, planner=WeightsOnlyLoadPlanner())
+        dcp.load(state, checkpoint_id=dcp_dir,
+                 planner=WeightsOnlyLoadPlanner(allow_partial_load=partial))
     except CheckpointException as e:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, BadInput)]
         if refused:
@@ -1685,8 +1688,9 @@ def load_checkpoint(path, model, optimizer, scaler, cfg, topo):
 
 
 def load_states(path, meta, model, optimizer, scaler, topo, seed):
-    if meta["type"] == "sharded":
-        state, opts = sharded_state(model, optimizer), None  # tensors to load into, optimizer's too
+    if meta["type"] == "sharded":  # tensors to load into, optimizer's too; frozen: --init-from's
+        opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+        state = sharded_state(model, optimizer, opts)
         dcp_load(state, os.path.join(path, "dcp"))
     else:
         state = load_weights_only(os.path.join(path, "model.pt"), mmap=True)
@@ -1709,11 +1713,12 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
     """Resume from a checkpoint (under --resume auto a damaged one gives way to the next older,
     noted), or take the weights of --init-from, or neither. Returns (step, tokens seen)."""
     t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
+    if cfg.checkpoint.init_from and (not resume or freezes(model)):  # frozen weights: every start
+        init_weights_from(cfg.checkpoint.init_from, model)
+        which = "the frozen ones" if resume else "fresh optimizer, step 0"
+        notes.append(f"initialised the weights from {cfg.checkpoint.init_from} in "
+                     f"{time.perf_counter() - t0:.1f} s ({which})")
     if not resume:
-        if cfg.checkpoint.init_from:
-            init_weights_from(cfg.checkpoint.init_from, model)
-            notes.append(f"initialised the weights from {cfg.checkpoint.init_from} in "
-                         f"{time.perf_counter() - t0:.1f} s (fresh optimizer, step 0)")
         return 0, 0
     while True:
         try:
@@ -1763,8 +1768,10 @@ def checkpoint_weights(path):
 
 
 def check_init_from_shapes(cfg, model, topo):
-    if cfg.checkpoint.init_from:
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    check_frozen(cfg, model)
+    if cfg.checkpoint.init_from:  # beside frozen weights, what trains starts from its init (LoRA)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()
+                  if not (p.requires_grad and freezes(model))}
         rank0_does(lambda: check_init_from(cfg.checkpoint.init_from, shapes), topo.rank)
 
 
@@ -1794,11 +1801,40 @@ def init_weights_from(path, model):
         return import_optional("hf_checkpoint", "--init-from").load(where, model)
     if kind == "full":
         state = load_weights_only(where, mmap=True)
-        opts = StateDictOptions(full_state_dict=True, strict=False)  # it may hold more keys
-    else:
-        state, opts = {"model": get_model_state_dict(model)}, None
-        dcp_load(state, where)
+    else:  # what it holds: check_init_from let it lack only what trains beside frozen weights
+        state = {"model": get_model_state_dict(model)}
+        dcp_load(state, where, partial=True)
+    # it may hold more keys (a full checkpoint's), or fewer (not LoRA's adapters)
+    opts = StateDictOptions(full_state_dict=kind == "full", strict=False)
     set_model_state_dict(model, state["model"], options=opts)
+
+
+def freezes(model):
+    """Some parameters are frozen (LoRA's base weights): they come from --init-from at every start,
+    are stored as they compute, and checkpoints hold only the parameters that train."""
+    return not all(p.requires_grad for p in model.parameters())
+
+
+def check_frozen(cfg, model):
+    needs = [(cfg.checkpoint.init_from, "--init-from (the weights they keep)"),
+             (cfg.train.strategy != "fsdp", "--strategy fsdp2, ddp or none: FSDP1 flattens a "
+              "unit into one tensor of one dtype, with a gradient for all of it"),
+             (cfg.checkpoint.checkpoint_type == "sharded", "--checkpoint-type sharded: a full "
+              "checkpoint is a whole model, and theirs hold only the parameters that train")]
+    for ok, need in needs if freezes(model) else []:
+        if not ok:
+            raise BadInput(f"a model with frozen parameters (LoRA's base) needs {need}")
+
+
+def run_digests(cfg, model, data, topo):
+    """{source: digest} that a resume must find unchanged: the data's (BatchSource) and, where
+    weights are frozen, that of the --init-from files that hold them (ckpt_export.py)."""
+    if not freezes(model):
+        return getattr(data, "digests", None)
+    export = import_optional("ckpt_export", "a model with frozen parameters")
+    path, this = cfg.checkpoint.init_from, sys.modules[__name__]
+    digest = rank0_does(lambda: export.weights_digest(path, this), topo.rank)
+    return {**(getattr(data, "digests", None) or {}), export.FROZEN: digest}
 
 
 def require_checkpoint_dir(path, flag, valid):

@@ -108,7 +108,8 @@ class CommRecorder:
 def wrap_record(model):
     """FSDP units as [name, class of the sharded module], the types of the state dict's tensors,
     FSDP2's forward-prefetch pairs [unit, the unit it prefetches], the policies of its units
-    [name, offload policy class, param_dtype, reduce_dtype] and the names of the float8 Linear layers."""
+    [name, offload policy class, param_dtype, reduce_dtype], the names of the float8 Linear layers and the
+    parameters' dtypes as stored."""
     model = getattr(model, "_orig_mod", model)
     model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     names = {m: re.sub(r"(_orig_mod|_fsdp_wrapped_module)\.?", "", n).rstrip(".") for n, m in model.named_modules()}
@@ -126,8 +127,9 @@ def wrap_record(model):
                           str(g.mp_policy.reduce_dtype)] for g in m._get_fsdp_state()._fsdp_param_groups]
     types = sorted({type(v).__name__ for v in get_model_state_dict(model).values()})
     float8 = [name for m, name in names.items() if type(m).__name__ == "Float8Linear"]
+    dtypes = {name: str(p.dtype) for name, p in model.named_parameters()}  # the shards' (FSDP2), as stored
     return {"units": units, "state_dict": types, "forward_prefetch": prefetch, "fsdp2_policies": policies,
-            "float8": float8}
+            "float8": float8, "dtypes": {re.sub(r"(_orig_mod|_fsdp_wrapped_module)\.", "", n): d for n, d in dtypes.items()}}
 
 
 if __name__ == "__main__":

@@ -382,3 +382,24 @@ def test_instruct_fine_tuning_of_a_downloaded_model_starts_at_transformers_loss_
         logits = hf(x).logits
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=data.IGNORE)
     assert abs(val_losses(run)[-1] - reference.item()) <= 1e-5 * reference.item()
+
+
+def test_lora_on_a_downloaded_model_converts_to_its_family_with_the_adapters_merged(families, tmp_path):
+    """LoRA on every projection of Qwen2 (q/k/v biases, tied embeddings) under fsdp2 --meta-init on 2
+    ranks: each rank reads the base's slices (the files have no adapters), and convert_to_hf.py writes the
+    merged model, whose validation loss under transformers is the run's last."""
+    (directory, _), corpus = families[0]["qwen2"], families[1]
+    run = tmp_path / "run"
+    res = launch([*TEXT, "--dataset", corpus, "--cache-dir", tmp_path / "cache", "--init-from", directory,
+                  "--strategy", "fsdp2", "--meta-init", "--auto-wrap", "module", "--max-steps", "3", "--lr", "1e-2",
+                  "--lora-rank", "4", "--lora-targets", "wq,wk,wv,wo,w1,w2,w3", "--out-dir", run], 2)
+    assert all(r.returncode == 0 for r in res), res[0].stderr[-3000:]
+    out = tmp_path / "out"
+    res = script_runner.run("convert_to_hf.py", [run / "checkpoints" / "latest", out], ROOT, clean_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    cfg = data.DataConfig(dataset=str(corpus), tokenizer=str(directory / "tokenizer.json"), seq_len=64,
+                          cache_dir=str(tmp_path / "cache"))
+    ended = val_losses(run)[-1]
+    assert abs(hf_val_loss(merged, cfg) - ended) <= 1e-5 * ended
+    assert abs(hf_val_loss(families[0]["qwen2"][1], cfg) - ended) > 1e-4 * ended  # the adapters moved it
