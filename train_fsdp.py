@@ -830,16 +830,14 @@ def plain_named_parameters(model):
 def build_optimizer(model, cfg, lr, device, about):
     """AdamW, decaying about["decay_names"]; Muon on the hidden matrices (about["hidden"]) under
     --optimizer muon. FSDP1's --no-use-orig-params makes a unit one FlatParameter: all decay."""
-    t, decay_names = cfg.train, about["decay_names"]
+    t, decays, hidden = cfg.train, about["decay_names"], about["hidden"]
     named = [(n, p) for n, p in plain_named_parameters(model) if p.requires_grad]
-    hidden = about["hidden"] if t.optimizer == "muon" else ()
     if any(n.endswith("_flat_param") for n, _ in named):
         groups = [{"params": [p for _, p in named], "weight_decay": t.weight_decay}]
     else:
         adam = [(n, p) for n, p in named if n not in hidden]
-        groups = [{"params": [p for n, p in adam if n in decay_names],
-                   "weight_decay": t.weight_decay},
-                  {"params": [p for n, p in adam if n not in decay_names], "weight_decay": 0.0}]
+        groups = [{"params": [p for n, p in adam if n in decays], "weight_decay": t.weight_decay},
+                  {"params": [p for n, p in adam if n not in decays], "weight_decay": 0.0}]
     # Fused AdamW needs the parameters on the GPU and rejects ShardedGradScaler's found_inf (fp16).
     fused = device.type == "cuda" and not cfg.fsdp.cpu_offload and cfg.fsdp.param_dtype != "fp16"
     kind = importlib.import_module("muon").Muon if hidden else torch.optim.AdamW  # muon.py
