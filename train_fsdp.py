@@ -1039,7 +1039,9 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     model.train()
     try:
         for step in range(start_step, plan.max_steps):
-            lr = set_lr(optimizer, lr_at(step, plan.peak_lr, cfg, plan.max_steps))
+            lr = lr_at(step, plan.peak_lr, cfg, plan.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             batches, data_time = micro_batches(data, step, cfg, plan, topo)
             losses, grad_norm, skipped = train_step(model, optimizer, scaler, batches, cfg,
                                                     compute_loss, strategy)
@@ -1107,12 +1109,6 @@ def should_evaluate(step, cfg, last, save, stop):
     checkpoint it ranks by this loss (not a stop's save: time is short then)."""
     periodic = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
     return last or periodic or (cfg.checkpoint.keep_best and save and stop == 0)
-
-
-def set_lr(optimizer, lr):
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
 
 
 def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
