@@ -1074,19 +1074,15 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
                 stopper.leave(stop, step + 1, t.out_dir)  # raises Preempted once every rank saved
         checkpointer.publish_finished(wait=True)  # a --no-save-final run's last background save
     finally:
-        close_all(checkpointer, bar, log, profiler, stopper)
+        checkpointer.close()
+        bar.close()
+        if log.trackers:
+            log.trackers.close()
+        if profiler:
+            profiler.stop()
+        stopper.close()
     finish(val, log, stopper, lock, topo)
     return val
-
-
-def close_all(checkpointer, bar, log, profiler, stopper):
-    checkpointer.close()
-    bar.close()
-    if log.trackers:
-        log.trackers.close()
-    if profiler:
-        profiler.stop()
-    stopper.close()
 
 
 def finish(val, log, stopper, lock, topo):
