@@ -1035,7 +1035,11 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
     stopper, nonfinite = Stopper(topo, log), NonFinite(topo.device, log, cfg, scaler)
     meter, bar = Meter(topo, plan, about["flops"]), progress_bar(plan, start_step, topo)
     profiler = start_profiler(cfg, topo)  # None unless --profile
-    val = evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, start_step)
+    val = {}  # the final validation: the last step's, or at once for a run already finished
+    if start_step >= plan.max_steps:
+        log.line(f"{t.out_dir} already finished at step {start_step} (max_steps {plan.max_steps}): "
+                 "nothing to train; pass a larger --max-steps to continue it")
+        val = evaluate(model, data, cfg, topo, plan.micro, compute_loss)
     model.train()
     try:
         for step in range(start_step, plan.max_steps):
@@ -1105,14 +1109,6 @@ def should_evaluate(step, cfg, last, save, stop):
     checkpoint it ranks by this loss (not a stop's save: time is short then)."""
     periodic = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0
     return last or periodic or (cfg.checkpoint.keep_best and save and stop == 0)
-
-
-def evaluate_if_finished(model, data, cfg, topo, plan, compute_loss, log, step):
-    if step < plan.max_steps:
-        return {}
-    log.line(f"{cfg.train.out_dir} already finished at step {step} (max_steps {plan.max_steps}): "
-             "nothing to train; pass a larger --max-steps to continue it")
-    return evaluate(model, data, cfg, topo, plan.micro, compute_loss)
 
 
 def run(argv=None, **seams):
