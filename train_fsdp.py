@@ -996,8 +996,7 @@ class NonFinite:
 @fsdp1_notices_silenced()
 def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, model_config=None,
          data_config=None):
-    """Config, distributed setup, data, model, wrapping, optimizer, loop, checkpoints, exit. The
-    seams not given are this project's (see Seams); model_config / data_config: your settings."""
+    """One run. The seams not given are this project's; model_config, data_config: your settings."""
     argv, clock = sys.argv[1:] if argv is None else argv, StartClock()
     if argv[:1] == ["--export"] and len(argv) == 2:  # --export RUN/checkpoints/step_N alone
         return import_optional("ckpt_export", "--export").export(argv[1], sys.modules[__name__])
