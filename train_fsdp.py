@@ -1084,11 +1084,6 @@ def main(argv=None, build_model=None, compute_loss=None, load_dataset=None, mode
         if profiler:
             profiler.stop()
         stopper.close()
-    finish(val, log, stopper, lock, topo)
-    return val
-
-
-def finish(val, log, stopper, lock, topo):
     log.line("final validation: " + " ".join(f"{k} {v:.4f}" for k, v in val.items()))
     log.close()
     stopper.poll()  # the last collective, a barrier: every rank fails when rank 0 could not log
@@ -1096,6 +1091,7 @@ def finish(val, log, stopper, lock, topo):
         lock.close()  # the next run may take the directory (the kernel would drop it at exit)
     if topo.owner:
         dist.destroy_process_group()
+    return val
 
 
 def should_save(step, cfg, last, stop):
