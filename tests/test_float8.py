@@ -62,3 +62,17 @@ def test_float8_layers_start_from_the_models_init_under_meta_init(tmp_path):
     assert weights["float8"].keys() == weights["bf16"].keys()
     for key, w in weights["bf16"].items():
         torch.testing.assert_close(weights["float8"][key], w, rtol=0, atol=1e-6, msg=key)
+
+
+def test_lora_layers_keep_their_adapters():
+    """torchao would swap a LoRA layer (an nn.Linear subclass) for a Float8Linear without its adapters:
+    only the plain Linear layers convert."""
+    pytest.importorskip("torchao")
+    import float8
+    import model as model_lib
+    cfg = model_lib.resolve_model_config(model_lib.ModelConfig(arch="baseline", n_layer=2, d_model=64, n_head=2,
+                                                               vocab_size=64, lora_rank=4))
+    m = model_lib.build_model(cfg)
+    assert float8.to_float8(list(m.blocks), "tensorwise") == 2 * 3  # each block's MLP
+    assert sum(isinstance(x, model_lib.LoRALinear) for x in m.modules()) == 2 * 4
+    assert sum(p.requires_grad for p in m.parameters()) == 2 * 4 * 2
