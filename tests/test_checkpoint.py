@@ -1258,7 +1258,7 @@ def test_only_a_sharding_fsdp1_on_a_gpu_offloads_the_state_of_a_sharded_save():
     def offloads(device, strategy, sharding="FULL_SHARD", world=2):
         cfg = train_fsdp.parse_config(["--strategy", strategy, "--sharding-strategy", sharding])
         topo = train_fsdp.Topology(rank=0, world=world, local_world=world, device=device, backend="gloo")
-        return train_fsdp.Checkpointer(cfg, topo, None, None, None).sharded.cpu_offload
+        return train_fsdp.Checkpointer(cfg, topo, None, None, None, None).sharded.cpu_offload
 
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         assert offloads(cuda, "fsdp", sharding), sharding

@@ -1,9 +1,9 @@
 """LoRA (--lora-rank): adapters beside frozen weights that come from --init-from. The first step is the
 base model's; fsdp2 and ddp on 2 processes, accumulation and one process give the same losses (fp32,
-1e-5); the frozen weights are stored in param_dtype (bf16) beside fp32 adapters, and only the adapters'
-gradients are reduced; checkpoints hold the adapters and the digest of the base, resume on another world
-size, and are refused when the base changed; --export and convert_to_hf.py write the merged model, whose
-logits are the adapted model's; what LoRA cannot run with is one error line.
+1e-5), Muon too; the frozen weights are stored in param_dtype (bf16) beside fp32 adapters, and only the
+adapters' gradients are reduced; checkpoints hold the adapters and the digest of the base, resume on
+another world size, and are refused when the base changed; --export and convert_to_hf.py write the
+merged model, whose logits are the adapted model's; what LoRA cannot run with is one error line.
 """
 import json
 import os
@@ -62,10 +62,12 @@ def runs(tmp_path_factory):
     lora = ["--init-from", base] + LORA
     one = launch(tmp, 1, {"none": ["--strategy", "none", "--save-every", "3"] + lora,
                           "accum": ["--strategy", "none", "--micro-batch", "2"] + lora,
+                          "muon": ["--strategy", "none", "--optimizer", "muon"] + lora,
                           "full": ["--strategy", "none", "--init-from", base, "--lr", "1e-2"]}, "one")
     resume = ["--resume", os.path.join(one["none"][2], "checkpoints", "step_0000003")]
     two = launch(tmp, 2, {"fsdp2": ["--strategy", "fsdp2"] + lora, "ddp": ["--strategy", "ddp"] + lora,
                           "bf16": ["--strategy", "fsdp2", "--param-dtype", "bf16"] + lora,
+                          "fsdp2_muon": ["--strategy", "fsdp2", "--optimizer", "muon"] + lora,
                           "resumed": ["--strategy", "fsdp2", "--save-every", "3"] + lora + resume}, "two", record=True)
     return {**one, **two, "base": base, "tmp": tmp}
 
@@ -74,6 +76,11 @@ def runs(tmp_path_factory):
 def test_every_strategy_gives_the_losses_of_one_process(runs, name):
     assert_same_run(runs[name], runs["none"])
     assert runs[name][1]["val_loss"] == pytest.approx(runs["none"][1]["val_loss"], rel=1e-5)
+
+
+def test_muon_orthogonalises_the_adapters_alike_on_two_processes(runs):
+    assert_same_run(runs["fsdp2_muon"], runs["muon"])
+    assert runs["muon"][0][1:] != pytest.approx(runs["none"][0][1:], rel=1e-4)  # not AdamW's steps
 
 
 def test_the_first_step_is_the_base_models_and_training_moves_away(runs):
