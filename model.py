@@ -174,10 +174,10 @@ def check_model_config(cfg):
     if cfg.arch == "free" and (cfg.n_layer < 2 or cfg.n_layer % 2):
         raise ValueError(f"--n-layer {cfg.n_layer}: the Free Transformer needs an even number of "
                          "blocks >= 2")
-    unknown = set(cfg.lora_targets.split(",")) - set(LORA_TARGETS)
+    unknown = [name for name in cfg.lora_targets.split(",") if name not in LORA_TARGETS]
     if cfg.lora_rank and unknown:
-        raise ValueError(f"--lora-targets {cfg.lora_targets!r}: {', '.join(sorted(unknown))} is "
-                         f"not a projection; valid: {','.join(LORA_TARGETS)}, comma-separated")
+        raise ValueError(f"--lora-targets {cfg.lora_targets!r}: {unknown[0]!r} is not a "
+                         f"projection; valid: {','.join(LORA_TARGETS)}, comma-separated")
     if cfg.arch == "free" and not 1 <= cfg.latent_bits <= 20:
         raise ValueError(f"--latent-bits {cfg.latent_bits}: valid range is 1..20 (2^H codes)")
 

@@ -259,6 +259,8 @@ def build_model(cfg):
     """Returns (model, wrap_classes, checkpoint_classes): the module, the block classes FSDP
     makes into units, and the block classes activation checkpointing recomputes."""
     model_lib = project_module("model")
+    if cfg.model.lora_rank and not cfg.checkpoint.init_from:
+        raise BadInput("--lora-rank needs --init-from: the weights its adapters adapt")
     model = model_lib.build_model(cfg.model)
     return model, {model_lib.DecoderBlock, model_lib.LatentSampler}, {model_lib.DecoderBlock}
 
@@ -659,8 +661,9 @@ def wrap_model(model, wrap_classes, ckpt_classes, cfg, topo, init_fn=None):
     """The model wrapped by its strategy, with activation checkpointing and compile in its order.
     --meta-init: init_fn (its init_module) initialises in init_order, whatever the strategy."""
     f, blocks = cfg.fsdp, [m for m in model.modules() if isinstance(m, tuple(ckpt_classes))]
-    for p in model.parameters():  # and so their gradients and AdamW's state; frozen ones as used
-        p.data = p.data.to(DTYPES[f.weights_dtype if p.requires_grad else f.param_dtype])
+    for p in model.parameters():  # and so their gradients and AdamW's state; a frozen base as used
+        base = cfg.checkpoint.init_from and not p.requires_grad  # see frozen_base
+        p.data = p.data.to(DTYPES[f.param_dtype if base else f.weights_dtype])
     # float8 swaps in new Linear layers: before the units are chosen, which must be the new ones
     float8 = import_optional("float8", "--float8") if f.float8 else None  # float8.py
     if float8 and not float8.to_float8(blocks, f.float8):
@@ -1304,8 +1307,8 @@ class Checkpointer:
                 future = self.start_async_save(path, meta, model, optimizer)
                 self.pending = (path, meta, future, time.perf_counter())
             else:
-                # the whole model at the end; with frozen weights, --export merges them in
-                self.write(tmp, meta, model, optimizer, consolidate=last and not freezes(model))
+                whole = last and not frozen_base(self.cfg, model)  # else --export merges it in
+                self.write(tmp, meta, model, optimizer, consolidate=whole)
             write_rng_state(tmp, self.topo.rank)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             error = error_text(e, self.topo.rank, tmp)
@@ -1694,7 +1697,7 @@ def restore_state(resume, model, optimizer, scaler, cfg, topo, notes):
     """Resume from a checkpoint (under --resume auto a damaged one gives way to the next older,
     noted), or take the weights of --init-from, or neither. Returns (step, tokens seen)."""
     t0, failed, run_dir = time.perf_counter(), [], cfg.train.out_dir
-    if cfg.checkpoint.init_from and (not resume or freezes(model)):  # frozen weights: every start
+    if frozen_base(cfg, model) or (cfg.checkpoint.init_from and not resume):
         init_weights_from(cfg.checkpoint.init_from, model)
         which = "the frozen ones" if resume else "fresh optimizer, step 0"
         notes.append(f"initialised the weights from {cfg.checkpoint.init_from} in "
@@ -1752,7 +1755,7 @@ def check_init_from_shapes(cfg, model, topo):
     check_frozen(cfg, model)
     if cfg.checkpoint.init_from:  # beside frozen weights, what trains starts from its init (LoRA)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()
-                  if not (p.requires_grad and freezes(model))}
+                  if not (p.requires_grad and frozen_base(cfg, model))}
         rank0_does(lambda: check_init_from(cfg.checkpoint.init_from, shapes), topo.rank)
 
 
@@ -1790,27 +1793,28 @@ def init_weights_from(path, model):
     set_model_state_dict(model, state["model"], options=opts)
 
 
-def freezes(model):
-    """Some parameters are frozen (LoRA's base weights): they come from --init-from at every start,
-    are stored as they compute, and checkpoints hold only the parameters that train."""
-    return not all(p.requires_grad for p in model.parameters())
+def frozen_base(cfg, model):
+    """Frozen weights from --init-from (LoRA's base): loaded from it at every start, stored as they
+    compute, left out of checkpoints, which record the digest of its files instead."""
+    return bool(cfg.checkpoint.init_from) and not all(p.requires_grad for p in model.parameters())
 
 
 def check_frozen(cfg, model):
-    needs = [(cfg.checkpoint.init_from, "--init-from (the weights they keep)"),
-             (cfg.train.strategy != "fsdp", "--strategy fsdp2, ddp or none: FSDP1 flattens a "
+    if frozen_base(cfg, model):  # where a resume or --export reads them, from any directory
+        cfg.checkpoint.init_from = os.path.abspath(cfg.checkpoint.init_from)
+    needs = [(cfg.train.strategy != "fsdp", "--strategy fsdp2, ddp or none: FSDP1 flattens a "
               "unit into one tensor of one dtype, with a gradient for all of it"),
              (cfg.checkpoint.checkpoint_type == "sharded", "--checkpoint-type sharded: a full "
               "checkpoint is a whole model, and theirs hold only the parameters that train")]
-    for ok, need in needs if freezes(model) else []:
+    for ok, need in needs if frozen_base(cfg, model) else []:
         if not ok:
-            raise BadInput(f"a model with frozen parameters (LoRA's base) needs {need}")
+            raise BadInput(f"frozen weights from --init-from (LoRA's base) need {need}")
 
 
 def run_digests(cfg, model, data, topo):
     """{source: digest} that a resume must find unchanged: the data's (BatchSource) and, where
     weights are frozen, that of the --init-from files that hold them (ckpt_export.py)."""
-    if not freezes(model):
+    if not frozen_base(cfg, model):
         return getattr(data, "digests", None)
     export = import_optional("ckpt_export", "a model with frozen parameters")
     path, this = cfg.checkpoint.init_from, sys.modules[__name__]
