@@ -134,11 +134,28 @@ fi
 # --- 5. ours: train_fsdp.py --instruct --document-mask on the same files (BOS + prompt + completion + EOS, the
 # prompt out of the loss, packed into rows of SEQ), --init-from the same directory, LoRA on wq, wk, wv, wo.
 # The trainer's tokens_per_s is --global-batch * --seq-len / step time (every position, as torchtune's
-# positions/s above); mem_peak_gib is torch.cuda.max_memory_allocated (never reset: the load is in it).
+# positions/s above); mem_peak_gib is torch.cuda.max_memory_allocated since the weights were loaded.
+# As torchtune's recipe does after its model init, the peak counter restarts once the weights are in
+# (and the optimizer made): the peak is the training's, not the load's.
+cat > "$WORK/ours_entry.py" <<'PY'
+import sys
+import torch
+sys.path.insert(0, ".")
+import train_fsdp
+restore = train_fsdp.restore_state
+def restore_then_reset(*args, **kwargs):
+    out = restore(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return out
+if __name__ == "__main__":  # the data build's worker processes import this file again
+    train_fsdp.restore_state = restore_then_reset
+    train_fsdp.run(sys.argv[1:])
+PY
 ours() {  # name, flags
   local name=$1; shift
   rm -rf "$WORK/ours_$name"
-  timeout -s KILL "$OURS_TIMEOUT" python3 train_fsdp.py --init-from "$MODEL_DIR" --strategy none --meta-init \
+  timeout -s KILL "$OURS_TIMEOUT" python3 "$WORK/ours_entry.py" --init-from "$MODEL_DIR" --strategy none --meta-init \
     --compile --compile-scope blocks --activation-checkpointing --instruct --document-mask --dataset "$DATA_JSONL" \
     --seq-len "$SEQ" --global-batch "$BATCH" --micro-batch "$BATCH" --max-steps "$STEPS" \
     --lora-rank 8 --lora-alpha 16 --lora-dropout 0 --lora-targets wq,wk,wv,wo \
