@@ -39,19 +39,8 @@ T0=$SECONDS
 stamp() { echo "[$((SECONDS - T0)) s] $*"; }
 
 # --- 1. wheels (torchtune, torchao, torchdata, omegaconf, antlr4) -------------------------------------
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user" || true
+source tools/torchtune_wheels.sh
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-TT_PYTHONPATH=/tmp/site:$ROOT/tools
-# torchtune imports Hugging Face `datasets` at import time; our dataset never uses it: a stub where it is missing
-python3 -c "import datasets" 2>/dev/null || TT_PYTHONPATH=$TT_PYTHONPATH:$ROOT/tools/torchtune_sft_stubs
-PYTHONPATH=$TT_PYTHONPATH python3 -c "
-import torch, torchtune, torchao, tokenizers
-print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')
-print('torchtune', torchtune.__version__, 'torchao', torchao.__version__, 'tokenizers', tokenizers.__version__)
-from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
-print('flex attention (packed rows: per-document causal mask):', _SUPPORTS_FLEX_ATTENTION)
-" 2>&1 | tee "$OUT/versions.txt"
 stamp "wheels installed"
 
 # --- 2. data and tokenizer (tokenizer files into MODEL_DIR), 3. the random Llama-3.2-1B -----------------
